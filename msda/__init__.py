@@ -1,0 +1,20 @@
+"""msda: multi-scale deformable attention for PyTorch, in Triton, as a registered operator.
+
+    import msda
+    out = msda.multi_scale_deformable_attention(value, spatial_shapes, None, locations, weights)
+
+Importing msda registers torch.ops.msda.forward and torch.ops.msda.backward.
+"""
+
+from . import ops  # noqa: F401  (registers torch.ops.msda.*)
+from .functional import level_start_index_from_shapes, multi_scale_deformable_attention
+from .layer import MultiScaleDeformableAttention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "multi_scale_deformable_attention",
+    "level_start_index_from_shapes",
+    "MultiScaleDeformableAttention",
+    "__version__",
+]

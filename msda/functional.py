@@ -1,0 +1,52 @@
+"""The functional form of the operator."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .validation import check_tensor
+
+
+def level_start_index_from_shapes(spatial_shapes: Tensor) -> Tensor:
+    """(L,) int64 start row of each level in the flattened value, computed on the shapes' device."""
+    check_tensor("spatial_shapes", spatial_shapes)
+    sizes = spatial_shapes.to(torch.int64).prod(dim=1)
+    return sizes.cumsum(0) - sizes
+
+
+def multi_scale_deformable_attention(
+    value: Tensor,
+    spatial_shapes: Tensor,
+    level_start_index: Tensor | None,
+    sampling_locations: Tensor,
+    attention_weights: Tensor,
+) -> Tensor:
+    """Multi-scale deformable attention, as Deformable DETR's compiled op computes it.
+
+    Args:
+        value: (B, S, M, D), the L levels flattened row-major and concatenated along S.
+        spatial_shapes: (L, 2) integer (H_l, W_l) per level.
+        level_start_index: (L,) integer start row of each level in S, or None to compute it.
+        sampling_locations: (B, Q, M, L, K, 2) normalized (x, y), nominally in [0, 1];
+            bilinear sampling with zero padding, as F.grid_sample(align_corners=False).
+        attention_weights: (B, Q, M, L, K), used as given (no softmax).
+
+    Returns:
+        (B, Q, M * D) in value's dtype. Differentiable in value, sampling_locations and
+        attention_weights.
+    """
+    if level_start_index is None:
+        level_start_index = level_start_index_from_shapes(spatial_shapes)
+    # The dispatcher rejects a non-tensor (a list, a nested tensor) with its own RuntimeError or
+    # NotImplementedError before the operator's checks run: catch those here as TypeErrors.
+    args = dict(
+        value=value,
+        spatial_shapes=spatial_shapes,
+        level_start_index=level_start_index,
+        sampling_locations=sampling_locations,
+        attention_weights=attention_weights,
+    )
+    for name, arg in args.items():
+        check_tensor(name, arg)
+    return torch.ops.msda.forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)

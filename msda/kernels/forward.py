@@ -1,0 +1,84 @@
+"""The MSDA forward kernel and its launch heuristic."""
+
+import triton
+import triton.language as tl
+
+from .sampling import corner, load_samples, tile_sizes
+
+
+@triton.jit
+def msda_forward_kernel(
+    value_ptr,  # (B, S, M, D), contiguous
+    shapes_ptr,  # (L, 2) int32/int64
+    starts_ptr,  # (L,) int32/int64
+    loc_ptr,  # (B, Q, M, L, K, 2), contiguous
+    attn_ptr,  # (B, Q, M, L, K), contiguous
+    out_ptr,  # (B, Q, M * D), contiguous
+    num_queries,
+    num_values,
+    num_heads,
+    head_dim,
+    NUM_LEVELS: tl.constexpr,
+    NUM_POINTS: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_LK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    COMPUTE: tl.constexpr,  # tl.float32, or tl.float64 for float64 inputs
+    INDEX_64: tl.constexpr,
+):
+    # One program: BLOCK_Q queries of one (batch, head). The flat 1-D grid has no 65535 limit
+    # on B * M, and neighbouring programs share a head's value rows.
+    pid = tl.program_id(0)
+    if INDEX_64:  # every index below derives from pid: 64-bit where a tensor passes 2**31 elements
+        pid = pid.to(tl.int64)
+    num_q_blocks = tl.cdiv(num_queries, BLOCK_Q)
+    bm = pid // num_q_blocks
+    b = bm // num_heads
+    m = bm % num_heads
+    offs_q = (pid % num_q_blocks) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = (offs_d < head_dim)[None, None, :]
+
+    # float32 registers whatever the storage dtype; the sample axis is reduced once at the end.
+    acc = tl.zeros([BLOCK_Q, BLOCK_LK, BLOCK_D], dtype=COMPUTE)
+    for lk_start in tl.static_range(0, NUM_LEVELS * NUM_POINTS, BLOCK_LK):
+        _, _, attn, h, w, start, x0, y0, fx, fy, touches = load_samples(
+            loc_ptr, attn_ptr, shapes_ptr, starts_ptr, b, m, offs_q, lk_start, num_queries, num_heads,
+            NUM_LEVELS, NUM_POINTS, BLOCK_LK, COMPUTE,
+        )
+        for DY in tl.static_range(2):
+            for DX in tl.static_range(2):
+                row, inside, weight, _, _ = corner(
+                    x0, y0, fx, fy, h, w, start, touches, b, m, num_values, num_heads, DX, DY
+                )
+                # Each corner is one contiguous D-wide row: a coalesced (vectorized) gather.
+                v = tl.load(
+                    value_ptr + row[:, :, None] * head_dim + offs_d[None, None, :],
+                    mask=inside[:, :, None] & d_mask,
+                    other=0.0,
+                )
+                acc += (attn * weight)[:, :, None] * v.to(COMPUTE)
+    out = tl.sum(acc, axis=1)
+
+    out_row = (b * num_queries + offs_q) * num_heads + m
+    tl.store(
+        out_ptr + out_row[:, None] * head_dim + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=(offs_q < num_queries)[:, None] & (offs_d < head_dim)[None, :],
+    )
+
+
+# Launch heuristic, fixed rather than autotuned: autotuning keyed on the query count would re-tune
+# at every image size, and under torch.compile a tuned config can leak across shapes. One sample
+# per step over 32 queries (a [32, 1, D] gather per corner, 1024 elements at D = 32) and 4 warps
+# won every preset and dtype of the H200 sweep in bench/NOTES.md but the float32 decoder, where
+# all L*K samples at once over 8 queries ran 14.1 us against 15.2 (and 345 us against 306 at the
+# encoder). The heuristic reads only L, K and D, so no image size changes it.
+FORWARD_TILE_ELEMENTS = 1024
+FORWARD_MAX_BLOCK_LK = 1  # samples per step
+FORWARD_NUM_WARPS = 4
+
+
+def forward_launch_config(num_levels: int, num_points: int, head_dim: int) -> dict[str, int]:
+    block_q, block_lk, block_d = tile_sizes(num_levels, num_points, head_dim, FORWARD_TILE_ELEMENTS, FORWARD_MAX_BLOCK_LK)
+    return dict(BLOCK_Q=block_q, BLOCK_LK=block_lk, BLOCK_D=block_d, num_warps=FORWARD_NUM_WARPS)

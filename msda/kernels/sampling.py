@@ -1,0 +1,124 @@
+"""Triton helpers shared by the forward and backward kernels: where each sample lands.
+
+A program owns BLOCK_Q queries of one (batch, head) pair. Its sampling parameters form a
+[BLOCK_Q, BLOCK_LK] tile (all L*K points of each query, loaded once); each bilinear corner of
+that tile is then a [BLOCK_Q, BLOCK_LK] tile of value rows, gathered D channels at a time.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_samples(
+    loc_ptr,
+    attn_ptr,
+    shapes_ptr,
+    starts_ptr,
+    b,
+    m,
+    offs_q,
+    lk_start,
+    num_queries,
+    num_heads,
+    NUM_LEVELS: tl.constexpr,
+    NUM_POINTS: tl.constexpr,
+    BLOCK_LK: tl.constexpr,
+    COMPUTE: tl.constexpr,
+):
+    """Load BLOCK_LK of the L*K sampling parameters of each query, from sample `lk_start` on,
+    and place them on their level.
+
+    Returns the flat parameter index and its mask, the attention weight, the level's (H, W, start),
+    the top-left corner (x0, y0), the fractions (fx, fy), and `touches`: the sample reaches the level
+    at all. Indices take the dtype of `b`: int64 when a tensor can pass 2**31 elements.
+    """
+    LK: tl.constexpr = NUM_LEVELS * NUM_POINTS
+    offs_lk = lk_start + tl.arange(0, BLOCK_LK)
+    lk_mask = offs_lk < LK
+    level = offs_lk // NUM_POINTS
+    h = tl.load(shapes_ptr + 2 * level, mask=lk_mask, other=0).to(b.dtype)[None, :]
+    w = tl.load(shapes_ptr + 2 * level + 1, mask=lk_mask, other=0).to(b.dtype)[None, :]
+    start = tl.load(starts_ptr + level, mask=lk_mask, other=0).to(b.dtype)[None, :]
+
+    mask = (offs_q < num_queries)[:, None] & lk_mask[None, :]
+    param = ((b * num_queries + offs_q[:, None]) * num_heads + m) * LK + offs_lk[None, :]
+    attn = tl.load(attn_ptr + param, mask=mask, other=0.0).to(COMPUTE)
+    # x and y interleave, so the two loads share sectors.
+    x = tl.load(loc_ptr + 2 * param, mask=mask, other=0.0).to(tl.float64)
+    y = tl.load(loc_ptr + 2 * param + 1, mask=mask, other=0.0).to(tl.float64)
+
+    # grid_sample's align_corners=False convention: pixel centres at integer + 0.5. In float64,
+    # x * W - 0.5 is exact for float32 locations, so floor() picks the same cell as an exact
+    # computation; in float32 about 1 sample in 1e5 lands in the neighbouring cell at the
+    # presets, and the location gradient, which jumps between cells, missed 1e-5 (1.2e-3).
+    wf = w.to(tl.float64)
+    hf = h.to(tl.float64)
+    x = x * wf - 0.5
+    y = y * hf - 0.5
+    # NaN compares false: a non-finite location touches nothing, and is zeroed before the
+    # float-to-int conversion below, which is undefined for NaN, inf and huge values.
+    touches = mask & (x > -1.0) & (x < wf) & (y > -1.0) & (y < hf)
+    x = tl.where(touches, x, 0.0)
+    y = tl.where(touches, y, 0.0)
+    x0f = tl.floor(x)
+    y0f = tl.floor(y)
+    fx = (x - x0f).to(COMPUTE)
+    fy = (y - y0f).to(COMPUTE)
+    return param, mask, attn, h, w, start, x0f.to(b.dtype), y0f.to(b.dtype), fx, fy, touches
+
+
+@triton.jit
+def corner(
+    x0,
+    y0,
+    fx,
+    fy,
+    h,
+    w,
+    start,
+    touches,
+    b,
+    m,
+    num_values,
+    num_heads,
+    DX: tl.constexpr,
+    DY: tl.constexpr,
+):
+    """One bilinear corner: its value row, whether it is inside, its weight and the weight's
+    derivatives in x_im and y_im (all zero where it is outside)."""
+    xi = x0 + DX
+    yi = y0 + DY
+    pixel = start + yi * w + xi
+    # The pixel bound also keeps an inconsistent level_start_index from reading out of bounds.
+    inside = touches & (xi >= 0) & (xi < w) & (yi >= 0) & (yi < h) & (pixel >= 0) & (pixel < num_values)
+    # Where the corner is outside, `row` is a harmless unused address: every access is masked.
+    row = (b * num_values + pixel) * num_heads + m
+    if DX == 1:
+        wx = fx
+        dwx = 1.0
+    else:
+        wx = 1.0 - fx
+        dwx = -1.0
+    if DY == 1:
+        wy = fy
+        dwy = 1.0
+    else:
+        wy = 1.0 - fy
+        dwy = -1.0
+    weight = tl.where(inside, wx * wy, 0.0)
+    dweight_dx = tl.where(inside, dwx * wy, 0.0)
+    dweight_dy = tl.where(inside, dwy * wx, 0.0)
+    return row, inside, weight, dweight_dx, dweight_dy
+
+
+def tile_sizes(
+    num_levels: int, num_points: int, head_dim: int, target_elements: int, max_block_lk: int = 1 << 30
+) -> tuple[int, int, int]:
+    """(BLOCK_Q, BLOCK_LK, BLOCK_D): D padded to a power of two, L*K likewise but capped at
+    `max_block_lk` samples a step, and as many queries as keep one corner's
+    [BLOCK_Q, BLOCK_LK, BLOCK_D] tile near `target_elements`."""
+    block_lk = min(triton.next_power_of_2(num_levels * num_points), triton.next_power_of_2(max_block_lk))
+    block_d = triton.next_power_of_2(head_dim)
+    block_q = max(1, min(64, target_elements // (block_lk * block_d)))
+    return block_q, block_lk, block_d

@@ -1,0 +1,202 @@
+"""The registered operators torch.ops.msda.forward and torch.ops.msda.backward.
+
+Read top to bottom: backend selection, the forward (validation, device branch, Triton launch),
+the backward likewise, the fake implementations, the autograd registration.
+
+`spatial_shapes` and `level_start_index` stay device tensors that the kernels read: nothing on
+the CUDA path reads tensor data on the host, so the operators capture into CUDA graphs and trace
+with fullgraph=True.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
+
+from . import torch_impl
+from .validation import check_backward_args, check_forward_args
+
+try:
+    import triton
+    import triton.language as tl
+
+    from .kernels.backward import backward_launch_config, grad_value_accumulator_dtype, msda_backward_kernel
+    from .kernels.forward import forward_launch_config, msda_forward_kernel
+
+    HAS_TRITON = True
+except ImportError:  # the pure-PyTorch path still works everywhere
+    HAS_TRITON = False
+
+BACKENDS = ("auto", "triton", "torch")
+# auto: Triton kernels for CUDA tensors, pure PyTorch elsewhere. triton: the kernels everywhere
+# (CPU tensors need TRITON_INTERPRET=1 set before import). torch: pure PyTorch everywhere.
+BACKEND = os.environ.get("MSDA_BACKEND", "auto").strip().lower() or "auto"
+if BACKEND not in BACKENDS:
+    raise ValueError(f"MSDA_BACKEND must be one of {', '.join(BACKENDS)}, got {BACKEND!r}")
+
+
+def uses_triton(device: torch.device) -> bool:
+    """Whether tensors on `device` run the Triton kernels (a static property under tracing)."""
+    if BACKEND == "torch":
+        return False
+    if BACKEND == "auto":
+        return HAS_TRITON and device.type == "cuda"
+    if not HAS_TRITON:
+        raise RuntimeError("MSDA_BACKEND=triton, but triton is not installed")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"MSDA_BACKEND=triton runs {device.type} tensors only in Triton's interpreter: "
+            "set TRITON_INTERPRET=1 before importing msda"
+        )
+    return True
+
+
+def _dims(value: Tensor, sampling_locations: Tensor) -> tuple[int, ...]:
+    B, S, M, D = value.shape
+    _, Q, _, L, K, _ = sampling_locations.shape
+    return B, S, M, D, Q, L, K
+
+
+def _compute_dtype(*tensors: Tensor):
+    return tl.float64 if torch_impl.compute_dtype(*tensors) == torch.float64 else tl.float32
+
+
+def _on_device(device: torch.device):
+    """Launch on the tensors' device, not whichever device is current: a Triton launch targets
+    the current device (and its current stream), so cuda:1 tensors with cuda:0 current would
+    otherwise hand one device's pointers to the other."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _needs_int64(*tensors: Tensor) -> bool:
+    """Whether an element offset into any of `tensors` can reach 2**31 (then kernels index in
+    int64; int32 otherwise, which saves registers on every gathered address)."""
+    return any(1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) >= 2**31 for t in tensors)
+
+
+@triton_op("msda::forward", mutates_args=())
+def forward(
+    value: Tensor,
+    spatial_shapes: Tensor,
+    level_start_index: Tensor,
+    sampling_locations: Tensor,
+    attention_weights: Tensor,
+) -> Tensor:
+    check_forward_args(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    if not uses_triton(value.device):
+        return torch_impl.forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+
+    B, S, M, D, Q, L, K = _dims(value, sampling_locations)
+    out = value.new_empty((B, Q, M * D))
+    # int() specializes the per-model constants L, K, D under dynamic shapes; B, Q, S stay symbolic.
+    config = forward_launch_config(int(L), int(K), int(D))
+    grid = (triton.cdiv(Q, config["BLOCK_Q"]) * B * M,)
+    if out.numel() > 0:
+        with _on_device(value.device):
+            wrap_triton(msda_forward_kernel)[grid](
+                value.contiguous(),
+                spatial_shapes.contiguous(),
+                level_start_index.contiguous(),
+                sampling_locations.contiguous(),
+                attention_weights.contiguous(),
+                out,
+                Q,
+                S,
+                M,
+                D,
+                NUM_LEVELS=int(L),
+                NUM_POINTS=int(K),
+                COMPUTE=_compute_dtype(value, sampling_locations, attention_weights),
+                INDEX_64=_needs_int64(value, sampling_locations, out),
+                **config,
+            )
+    return out
+
+
+@triton_op("msda::backward", mutates_args=())
+def backward(
+    grad_output: Tensor,
+    value: Tensor,
+    spatial_shapes: Tensor,
+    level_start_index: Tensor,
+    sampling_locations: Tensor,
+    attention_weights: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    check_backward_args(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    if not uses_triton(value.device):
+        return torch_impl.backward(
+            grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights
+        )
+
+    B, S, M, D, Q, L, K = _dims(value, sampling_locations)
+    accumulator = grad_value_accumulator_dtype(value.dtype, value.device, Q, S, L, K)
+    grad_value = torch.zeros(value.shape, dtype=accumulator, device=value.device)
+    # Every element of these two is written by exactly one program: no zeroing needed.
+    grad_loc = torch.empty(sampling_locations.shape, dtype=sampling_locations.dtype, device=value.device)
+    grad_attn = torch.empty(attention_weights.shape, dtype=attention_weights.dtype, device=value.device)
+    config = backward_launch_config(int(L), int(K), int(D))
+    grid = (triton.cdiv(Q, config["BLOCK_Q"]) * B * M,)
+    if grad_attn.numel() > 0:
+        with _on_device(value.device):
+            wrap_triton(msda_backward_kernel)[grid](
+                grad_output,
+                grad_output.stride(0),
+                grad_output.stride(1),
+                grad_output.stride(2),
+                value.contiguous(),
+                spatial_shapes.contiguous(),
+                level_start_index.contiguous(),
+                sampling_locations.contiguous(),
+                attention_weights.contiguous(),
+                grad_value,
+                grad_loc,
+                grad_attn,
+                Q,
+                S,
+                M,
+                D,
+                NUM_LEVELS=int(L),
+                NUM_POINTS=int(K),
+                COMPUTE=_compute_dtype(value, sampling_locations, attention_weights),
+                INDEX_64=_needs_int64(value, sampling_locations, grad_output),
+                **config,
+            )
+    return grad_value.to(value.dtype), grad_loc, grad_attn
+
+
+# Fake implementations: exactly what the bodies return (fresh contiguous tensors), with the same
+# metadata checks, so a bad call fails at trace time with the eager error.
+@forward.register_fake
+def _forward_fake(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    check_forward_args(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    B, _, M, D = value.shape
+    return value.new_empty((B, sampling_locations.shape[1], M * D))
+
+
+@backward.register_fake
+def _backward_fake(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    check_backward_args(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    return (
+        torch.empty_like(value, memory_format=torch.contiguous_format),
+        torch.empty_like(sampling_locations, memory_format=torch.contiguous_format),
+        torch.empty_like(attention_weights, memory_format=torch.contiguous_format),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward_rule(ctx, grad_output):
+    value, spatial_shapes, level_start_index, sampling_locations, attention_weights = ctx.saved_tensors
+    grad_value, grad_loc, grad_attn = torch.ops.msda.backward(
+        grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights
+    )
+    return grad_value, None, None, grad_loc, grad_attn
+
+
+forward.register_autograd(_backward_rule, setup_context=_setup_context)
