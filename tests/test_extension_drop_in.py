@@ -1,0 +1,91 @@
+"""csrc_free_ops.install(): Deformable DETR's `models/ops` code runs on msda through
+`import MultiScaleDeformableAttention`, with any im2col_step."""
+
+import importlib
+import sys
+from types import ModuleType
+
+import pytest
+import torch
+
+import csrc_free_ops
+from msda.testing import Shape, make_inputs
+
+from .helpers import assert_matches_reference, forward_backward, random_like_output
+
+# Batch 3: im2col_step 2 does not divide it (the compiled op would refuse), 64 exceeds it.
+SHAPE = Shape(batch=3, queries=11, heads=2, head_dim=8, levels=((7, 9), (4, 5), (2, 3)), points=3)
+
+
+# The call pattern of Deformable DETR's models/ops/functions/ms_deform_attn_func.py (written
+# here): the extension imported by name at the top, im2col_step kept on ctx, a once-differentiable
+# backward that unpacks the extension's list.
+MODELS_OPS_FUNCTIONS = """
+import torch
+from torch.autograd.function import Function, once_differentiable
+
+import MultiScaleDeformableAttention as MSDA
+
+
+class MSDeformAttnFunction(Function):
+    @staticmethod
+    def forward(ctx, value, value_spatial_shapes, value_level_start_index, sampling_locations,
+                attention_weights, im2col_step):
+        ctx.im2col_step = im2col_step
+        output = MSDA.ms_deform_attn_forward(value, value_spatial_shapes, value_level_start_index,
+                                             sampling_locations, attention_weights, ctx.im2col_step)
+        ctx.save_for_backward(value, value_spatial_shapes, value_level_start_index, sampling_locations,
+                              attention_weights)
+        return output
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        grad_value, grad_sampling_loc, grad_attn_weight = MSDA.ms_deform_attn_backward(
+            *ctx.saved_tensors, grad_output, ctx.im2col_step)
+        return grad_value, None, None, grad_sampling_loc, grad_attn_weight, None
+"""
+
+
+@pytest.fixture
+def models_ops(tmp_path, monkeypatch):
+    """install(), then import the model code fresh: its MSDeformAttnFunction. Both imports are
+    undone after the test (monkeypatch restores the extension's sys.modules entry)."""
+    monkeypatch.setitem(sys.modules, "MultiScaleDeformableAttention", None)
+    csrc_free_ops.install()
+    (tmp_path / "ms_deform_attn_func.py").write_text(MODELS_OPS_FUNCTIONS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield importlib.import_module("ms_deform_attn_func").MSDeformAttnFunction
+    del sys.modules["ms_deform_attn_func"]
+
+
+@pytest.mark.parametrize("im2col_step", [2, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_deformable_detr_function_matches_reference(models_ops, im2col_step, dtype):
+    inputs = make_inputs(SHAPE, dtype, outside_fraction=0.1)
+    grad_output = random_like_output(inputs)
+
+    def through_extension(value, shapes, starts, loc, attn):
+        return models_ops.apply(value, shapes, starts, loc, attn, im2col_step)
+
+    assert_matches_reference(inputs, forward_backward(inputs, grad_output, through_extension), grad_output)
+
+
+def test_backward_returns_a_list_of_three_gradients(monkeypatch):
+    monkeypatch.setitem(sys.modules, "MultiScaleDeformableAttention", None)
+    csrc_free_ops.install()
+    import MultiScaleDeformableAttention as ext
+
+    inputs = make_inputs(SHAPE)
+    grads = ext.ms_deform_attn_backward(*inputs.args(), random_like_output(inputs), 2)
+    assert isinstance(grads, list) and len(grads) == 3
+    for grad, like in zip(grads, (inputs.value, inputs.sampling_locations, inputs.attention_weights)):
+        assert grad.shape == like.shape and grad.dtype == like.dtype
+
+
+def test_install_replaces_a_compiled_extension(monkeypatch):
+    monkeypatch.setitem(sys.modules, "MultiScaleDeformableAttention", ModuleType("MultiScaleDeformableAttention"))
+    assert csrc_free_ops.install() is csrc_free_ops.MultiScaleDeformableAttention
+    import MultiScaleDeformableAttention
+
+    assert MultiScaleDeformableAttention is csrc_free_ops.MultiScaleDeformableAttention
