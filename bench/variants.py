@@ -1,0 +1,444 @@
+"""The rows of the bench: each variant is a name and a builder of what one cell times.
+
+A cell is one preset, dtype and distribution of sampling locations, with its inputs. A builder
+takes the cell and returns a Case: callables for one forward call, one backward call, one
+forward+backward step, and the output and gradients that the error columns compare with the
+float64 oracle. A builder raises Unavailable when the variant cannot run here (a peer that is
+not installed): the bench turns that into a row that says why.
+
+Two scopes. "op" rows take the operator's inputs (value, spatial_shapes, level_start_index,
+sampling_locations, attention_weights). "block" rows run Deformable DETR's attention layer
+(msda.MultiScaleDeformableAttention, with its projections) on a query, reference points and the
+flattened features; their gradients are those of input_flatten, reference_points and query.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import msda
+import msda.layer
+from msda.testing import Inputs, Shape, reference, reference_with_grads
+
+RESULT_NAMES = {
+    "op": ("output", "grad_value", "grad_sampling_locations", "grad_attention_weights"),
+    "block": ("output", "grad_input_flatten", "grad_reference_points", "grad_query"),
+}
+
+
+class Unavailable(Exception):
+    """The variant cannot run on this machine; the message says why."""
+
+
+@dataclass
+class Cell:
+    preset: str
+    shape: Shape
+    dtype: torch.dtype
+    dist: str
+    device: torch.device
+    inputs: Inputs  # the operator's inputs (no requires_grad)
+    grad_output: Tensor  # (B, Q, M * D), the gradient fed to every backward
+    compile_backend: str  # torch.compile's backend for the compiled rows
+    compiled: dict  # layers and compiled callables kept across cells: compiled once per dtype
+    memo: dict = field(default_factory=dict)  # per-cell leaves and oracles
+
+
+@dataclass
+class Case:
+    forward: Callable[[], object]
+    backward: Callable[[], object] | None  # one backward after a forward; None: step minus forward
+    step: Callable[[], object]  # a forward and its backward
+    results: Callable[[], tuple[Tensor, ...]]  # output and the three gradients (RESULT_NAMES)
+    capture_backward: bool = False  # backward() alone can be captured in a CUDA graph
+    capturable: bool = True  # forward() and step() can be captured (False: already CUDA graphs)
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    scope: str  # "op" or "block"
+    baseline: bool  # what the ratio columns compare against, within the scope
+    description: str
+    build: Callable[[Cell], Case]
+    needs_cuda: bool = False
+    peer: bool = False
+
+
+# --- The pure-PyTorch baseline, as model code writes it --------------------------------------
+
+
+def grid_sample_msda(
+    value: Tensor, spatial_shapes: list[tuple[int, int]], sampling_locations: Tensor, attention_weights: Tensor
+) -> Tensor:
+    """MSDA in pure PyTorch as Deformable DETR, mmcv (`multi_scale_deformable_attn_pytorch`) and
+    Hugging Face write it: split value per level, F.grid_sample each level (bilinear, zero padding,
+    align_corners=False) at grid 2 * loc - 1, weight the samples and sum them. spatial_shapes is a
+    list of (H, W) ints, as Hugging Face passes it so that torch.compile sees no tensor data."""
+    B, _, M, D = value.shape
+    _, Q, _, L, K, _ = sampling_locations.shape
+    value_list = value.split([h * w for h, w in spatial_shapes], dim=1)
+    sampling_grids = 2 * sampling_locations - 1
+    sampled = []
+    for level, (h, w) in enumerate(spatial_shapes):
+        # (B, H*W, M, D) -> (B*M, D, H, W)
+        value_l = value_list[level].flatten(2).transpose(1, 2).reshape(B * M, D, h, w)
+        # (B, Q, M, K, 2) -> (B*M, Q, K, 2)
+        grid_l = sampling_grids[:, :, :, level].transpose(1, 2).flatten(0, 1)
+        # (B*M, D, Q, K)
+        sampled.append(F.grid_sample(value_l, grid_l, mode="bilinear", padding_mode="zeros", align_corners=False))
+    # (B, Q, M, L, K) -> (B*M, 1, Q, L*K)
+    weights = attention_weights.transpose(1, 2).reshape(B * M, 1, Q, L * K)
+    output = (torch.stack(sampled, dim=-2).flatten(-2) * weights).sum(-1).view(B, M * D, Q)
+    return output.transpose(1, 2).contiguous()
+
+
+# --- Oracles -----------------------------------------------------------------------------------
+
+
+def expected(cell: Cell, scope: str) -> tuple[Tensor, ...]:
+    """float64 output and gradients for `scope` (RESULT_NAMES order), computed once per cell."""
+    key = ("expected", scope)
+    if key not in cell.memo:
+        if scope == "op":
+            cell.memo[key] = reference_with_grads(cell.inputs, cell.grad_output)
+        else:
+            cell.memo[key] = _block_oracle(cell)
+    return cell.memo[key]
+
+
+def _oracle_core(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    return reference(value, spatial_shapes, sampling_locations, attention_weights)
+
+
+def _block_oracle(cell: Cell) -> tuple[Tensor, ...]:
+    """The block in float64 (the same parameters and inputs, upcast) with the float64 reference
+    in place of the operator."""
+    layer = copy.deepcopy(_layer(cell)).double()
+    leaves = tuple(t.detach().double().requires_grad_() for t in _block_leaves(cell))
+    flat, ref, query = leaves
+    with mock.patch.object(msda.layer, "multi_scale_deformable_attention", _oracle_core):
+        out = layer(query, ref, flat, cell.inputs.spatial_shapes, cell.inputs.level_start_index)
+    grads = torch.autograd.grad(out, leaves, cell.grad_output.double())
+    return (out.detach(), *grads)
+
+
+# --- Shared pieces -----------------------------------------------------------------------------
+
+
+def _op_leaves(cell: Cell) -> tuple[Tensor, Tensor, Tensor]:
+    """value, sampling_locations, attention_weights as leaves that require grad (one set a cell)."""
+    if "op_leaves" not in cell.memo:
+        i = cell.inputs
+        cell.memo["op_leaves"] = tuple(
+            t.detach().clone().requires_grad_() for t in (i.value, i.sampling_locations, i.attention_weights)
+        )
+    return cell.memo["op_leaves"]
+
+
+def _block_leaves(cell: Cell) -> tuple[Tensor, Tensor, Tensor]:
+    """input_flatten (B, S, C), reference_points (B, Q, L, 2), query (B, Q, C), requiring grad.
+
+    The reference points are the cell's sampling locations of head 0, point 0 at each level, so
+    the block samples near where the cell's distribution puts its points.
+    """
+    if "block_leaves" not in cell.memo:
+        s = cell.shape
+        gen = torch.Generator().manual_seed(2)
+        channels = s.heads * s.head_dim
+        flat = torch.randn(s.batch, s.num_values, channels, generator=gen)
+        query = torch.randn(s.batch, s.queries, channels, generator=gen)
+        ref = cell.inputs.sampling_locations[:, :, 0, :, 0, :].detach()
+        cell.memo["block_leaves"] = tuple(
+            t.to(cell.device, cell.dtype).clone().requires_grad_() for t in (flat, ref, query)
+        )
+    return cell.memo["block_leaves"]
+
+
+def _layer(cell: Cell) -> msda.MultiScaleDeformableAttention:
+    """The block's layer for the cell's dtype and sizes, made once (seeded) and kept."""
+    s = cell.shape
+    key = ("layer", cell.dtype, s.heads, s.head_dim, len(s.levels), s.points)
+    if key not in cell.compiled:
+        channels = s.heads * s.head_dim
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            layer = msda.MultiScaleDeformableAttention(channels, len(s.levels), s.heads, s.points)
+            # The original initialization zeroes the query's weights (no gradient would reach the
+            # query): random ones give offsets of about a pixel and uneven attention.
+            torch.nn.init.normal_(layer.sampling_offsets.weight, std=1 / math.sqrt(channels))
+            torch.nn.init.normal_(layer.attention_weights.weight, std=1 / math.sqrt(channels))
+        cell.compiled[key] = layer.to(cell.device, cell.dtype)
+    return cell.compiled[key]
+
+
+def _kept(cell: Cell, key: tuple, make: Callable[[], object]):
+    if key not in cell.compiled:
+        cell.compiled[key] = make()
+    return cell.compiled[key]
+
+
+def _autograd_case(
+    call: Callable[[], Tensor], leaves: tuple[Tensor, ...], grad: Tensor, retain: bool = True, params: tuple = ()
+) -> Case:
+    """A differentiable call of `leaves`: backward is autograd's, on one forward kept alive
+    (retain_graph=True). Compiled graphs may donate their saved buffers to the backward, which
+    then runs once per forward: with retain=False the backward is timed as step minus forward.
+    `params` get gradients too, as in training, but are not compared with the oracle."""
+    wrt = (*leaves, *params)
+    out = call() if retain else None
+
+    def backward():
+        return torch.autograd.grad(out, wrt, grad, retain_graph=True)
+
+    def step():
+        return torch.autograd.grad(call(), wrt, grad)
+
+    def results():
+        fresh = call()
+        return (fresh.detach(), *torch.autograd.grad(fresh, wrt, grad)[: len(leaves)])
+
+    return Case(forward=call, backward=backward if retain else None, step=step, results=results)
+
+
+def _capture(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+    """A CUDA graph of one call of `fn` (warmed up on a side stream) and its static outputs."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    torch.cuda.synchronize()
+    return graph, out
+
+
+# --- msda --------------------------------------------------------------------------------------
+
+
+def _msda_op(cell: Cell) -> Case:
+    args, grad = cell.inputs.args(), cell.grad_output
+
+    def forward():
+        return torch.ops.msda.forward(*args)
+
+    def backward():
+        return torch.ops.msda.backward(grad, *args)
+
+    return Case(
+        forward=forward,
+        backward=backward,
+        step=lambda: (forward(), backward()),
+        results=lambda: (forward(), *backward()),
+        capture_backward=True,
+    )
+
+
+def _msda_autograd(cell: Cell) -> Case:
+    value, loc, attn = leaves = _op_leaves(cell)
+    shapes, starts = cell.inputs.spatial_shapes, cell.inputs.level_start_index
+    return _autograd_case(
+        lambda: msda.multi_scale_deformable_attention(value, shapes, starts, loc, attn), leaves, cell.grad_output
+    )
+
+
+def _msda_graph(cell: Cell) -> Case:
+    args, grad = cell.inputs.args(), cell.grad_output
+    value, loc, attn = leaves = _op_leaves(cell)
+    shapes, starts = args[1], args[2]
+
+    def forward_backward():
+        out = msda.multi_scale_deformable_attention(value, shapes, starts, loc, attn)
+        return (out, *torch.autograd.grad(out, leaves, grad))
+
+    forward_graph, forward_out = _capture(lambda: torch.ops.msda.forward(*args))
+    step_graph, step_out = _capture(forward_backward)
+
+    def forward():
+        forward_graph.replay()
+        return forward_out  # the static output, which each replay overwrites
+
+    def step():
+        step_graph.replay()
+        return step_out
+
+    def results():
+        step()
+        return tuple(t.detach().clone() for t in step_out)
+
+    return Case(forward=forward, backward=None, step=step, results=results, capturable=False)
+
+
+# --- Baselines ---------------------------------------------------------------------------------
+
+
+def _reference(cell: Cell, compiled: bool = False) -> Case:
+    value, loc, attn = leaves = _op_leaves(cell)
+    shapes = [tuple(hw) for hw in cell.inputs.spatial_shapes.tolist()]
+    fn = grid_sample_msda
+    if compiled:
+        backend = cell.compile_backend
+        fn = _kept(cell, ("reference-compile", backend), lambda: torch.compile(fn, dynamic=True, backend=backend))
+    return _autograd_case(lambda: fn(value, shapes, loc, attn), leaves, cell.grad_output, retain=not compiled)
+
+
+def _deformops(cell: Cell) -> Case:
+    try:
+        importlib.import_module("deformops.registry.msda")
+        op = torch.ops.deformops.msda
+    except (ImportError, AttributeError) as e:
+        raise Unavailable(f"deformops is not importable: {e}") from e
+    value, loc, attn = leaves = _op_leaves(cell)
+    shapes, starts = cell.inputs.spatial_shapes, cell.inputs.level_start_index
+    return _autograd_case(lambda: op(value, shapes, starts, loc, attn), leaves, cell.grad_output)
+
+
+MMCV_IM2COL_STEP = 64  # mmcv's MultiScaleDeformableAttention default
+
+
+def _mmcv(cell: Cell) -> Case:
+    try:
+        importlib.import_module("mmcv")
+    except ImportError as e:
+        raise Unavailable(f"mmcv is not installed: {e}") from e
+    try:
+        ext = importlib.import_module("mmcv._ext")
+        forward_op, backward_op = ext.ms_deform_attn_forward, ext.ms_deform_attn_backward
+    except (ImportError, AttributeError) as e:
+        why = "mmcv has no compiled ms_deform_attn ops (mmcv-lite, or built for another torch)"
+        raise Unavailable(f"{why}: {e}") from e
+    args, grad = cell.inputs.args(), cell.grad_output
+    value, _, _, loc, attn = args
+
+    def forward():
+        return forward_op(*args, im2col_step=MMCV_IM2COL_STEP)
+
+    def backward():
+        # What mmcv's autograd Function does: zeroed gradients, which the kernel accumulates into.
+        grads = torch.zeros_like(value), torch.zeros_like(loc), torch.zeros_like(attn)
+        backward_op(*args, grad.contiguous(), *grads, im2col_step=MMCV_IM2COL_STEP)
+        return grads
+
+    return Case(
+        forward=forward,
+        backward=backward,
+        step=lambda: (forward(), backward()),
+        results=lambda: (forward(), *backward()),
+        capture_backward=True,
+    )
+
+
+# --- The Deformable DETR block -----------------------------------------------------------------
+
+
+def _block(cell: Cell, mode: str | None = None) -> Case:
+    """The layer eager, or compiled in `mode`. Its backward also computes the parameters'
+    gradients, as a training step does (and as a compiled backward does in any case)."""
+    layer = _layer(cell)
+    flat, ref, query = leaves = _block_leaves(cell)
+    params = tuple(layer.parameters())
+    shapes, starts = cell.inputs.spatial_shapes, cell.inputs.level_start_index
+    if mode is None:
+        return _autograd_case(lambda: layer(query, ref, flat, shapes, starts), leaves, cell.grad_output, params=params)
+
+    s, backend = cell.shape, cell.compile_backend
+    key = ("block-" + mode, cell.dtype, s.heads, s.head_dim, len(s.levels), s.points, backend)
+    if mode == "default":
+        module = _kept(cell, key, lambda: torch.compile(layer, dynamic=True, backend=backend))
+        call = lambda: module(query, ref, flat, shapes, starts)  # noqa: E731
+        return _autograd_case(call, leaves, cell.grad_output, retain=False, params=params)
+
+    if backend != "inductor":
+        raise Unavailable(f"mode='reduce-overhead' is inductor's; the compile backend is {backend}")
+    module = _kept(cell, key, lambda: torch.compile(layer, dynamic=True, mode="reduce-overhead"))
+    wrt = (*leaves, *params)
+
+    def forward():
+        # Each call starts a new step of CUDA-graph trees (whose outputs a later replay overwrites).
+        torch.compiler.cudagraph_mark_step_begin()
+        return module(query, ref, flat, shapes, starts)
+
+    def results():
+        out = forward()
+        kept = out.detach().clone()
+        grads = torch.autograd.grad(out, wrt, cell.grad_output)[: len(leaves)]
+        return (kept, *(g.clone() for g in grads))
+
+    return Case(
+        forward=forward,
+        backward=None,  # backward only right after its forward: timed as step minus forward
+        step=lambda: torch.autograd.grad(forward(), wrt, cell.grad_output),
+        results=results,
+        capturable=False,
+    )
+
+
+VARIANTS = (
+    Variant("msda", "op", False, "torch.ops.msda.forward / torch.ops.msda.backward, called directly", _msda_op),
+    Variant(
+        "msda-autograd",
+        "op",
+        False,
+        "msda.multi_scale_deformable_attention, the backward through autograd",
+        _msda_autograd,
+    ),
+    Variant(
+        "msda-graph",
+        "op",
+        False,
+        "manually captured CUDA graphs of the forward and of forward+backward, replayed",
+        _msda_graph,
+        needs_cuda=True,
+    ),
+    Variant(
+        "reference",
+        "op",
+        True,
+        "pure PyTorch as model code writes it (F.grid_sample per level), eager",
+        _reference,
+    ),
+    Variant(
+        "reference-compile",
+        "op",
+        True,
+        "the pure-PyTorch reference under torch.compile(dynamic=True)",
+        lambda cell: _reference(cell, compiled=True),
+    ),
+    Variant("deformops", "op", True, "peer: torch.ops.deformops.msda, its default backend", _deformops, peer=True),
+    Variant("mmcv", "op", True, "peer: mmcv's ext_module.ms_deform_attn_forward/backward", _mmcv, peer=True),
+    Variant(
+        "block",
+        "block",
+        True,
+        "msda.MultiScaleDeformableAttention (Deformable DETR's MSDeformAttn), eager",
+        _block,
+    ),
+    Variant(
+        "block-compile",
+        "block",
+        False,
+        "the block under torch.compile(dynamic=True)",
+        lambda cell: _block(cell, "default"),
+    ),
+    Variant(
+        "block-reduce-overhead",
+        "block",
+        False,
+        "the block under torch.compile(dynamic=True, mode='reduce-overhead')",
+        lambda cell: _block(cell, "reduce-overhead"),
+        needs_cuda=True,
+    ),
+)
+PEERS = tuple(v.name for v in VARIANTS if v.peer)

@@ -1,0 +1,189 @@
+"""The bench (python -m bench): its timing helpers, its bookkeeping, its results' schema, and the
+smoke preset end to end on a CPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from bench import model, report
+from bench import run as bench_run
+from bench.__main__ import config_from, parse_args
+from bench.timing import AGREEMENT, Timing, agree, device_events_us
+from bench.variants import VARIANTS, Cell, _msda_autograd, _msda_op, _reference, grid_sample_msda
+from msda.testing import TOLERANCE, make_inputs, reference
+
+REPO = Path(__file__).resolve().parents[1]
+CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+
+def _event(device_type, elapsed_us):
+    return SimpleNamespace(device_type=device_type, time_range=SimpleNamespace(elapsed_us=lambda: elapsed_us))
+
+
+def test_device_events_us_sums_the_device_events_only():
+    events = [_event(CUDA, 12.5), _event(CPU, 1000.0), _event(CUDA, 7.5), _event(CPU, 3.0)]
+    assert device_events_us(events) == 20.0
+    assert device_events_us([]) == 0
+    assert device_events_us([_event(CPU, 5.0)]) == 0
+
+
+def test_agree_is_symmetric_within_ten_percent_of_the_smaller():
+    assert AGREEMENT == 0.10
+    assert agree(100.0, 110.0) and agree(110.0, 100.0)
+    assert not agree(100.0, 110.5) and not agree(110.5, 100.0)
+    assert agree(50.0, 50.0)
+    assert not agree(0.0, 1.0)
+
+
+def test_timing_reports_median_and_interquartile_range():
+    t = Timing(samples_us=[1.0, 2.0, 3.0, 4.0, 100.0])
+    assert t.median_us == 3.0
+    assert t.iqr_us == 2.0  # inclusive quartiles 2 and 4: the outlier does not move them
+    assert Timing(samples_us=[5.0]).iqr_us == 0.0
+
+
+def test_memory_floor_counts_each_input_and_output_once():
+    shape = bench_run.SMOKE  # B=2, Q=12, M=2, D=8, levels 6x8 and 3x4 (S=60), K=2
+    value, out = 2 * 60 * 2 * 8 * 4, 2 * 12 * 2 * 8 * 4
+    loc, attn = 2 * 12 * 2 * 2 * 2 * 2 * 4, 2 * 12 * 2 * 2 * 2 * 4
+    meta = 2 * 2 * 8 + 2 * 8
+    forward = model.min_bytes(shape, torch.float32, torch.float32, "forward")
+    backward = model.min_bytes(shape, torch.float32, torch.float32, "backward")
+    assert forward == value + loc + attn + meta + out
+    assert backward == out + value + loc + attn + meta + value + loc + attn
+    half = model.min_bytes(shape, torch.float16, torch.float32, "forward")
+    assert half == (value + out) // 2 + loc + attn + meta
+    assert model.floor_fraction(4000, 4e9, 2.0) == pytest.approx(0.5)  # 1 us at the floor, measured 2 us
+
+
+@pytest.mark.parametrize("dist", ["uniform", "local"])
+def test_grid_sample_baseline_computes_msda(dist):
+    inputs = make_inputs(bench_run.SMOKE, torch.float64, dist=dist, outside_fraction=0.1, seed=3)
+    shapes = [tuple(hw) for hw in inputs.spatial_shapes.tolist()]
+    actual = grid_sample_msda(inputs.value, shapes, inputs.sampling_locations, inputs.attention_weights)
+    expected = reference(inputs.value, inputs.spatial_shapes, inputs.sampling_locations, inputs.attention_weights)
+    torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_cli_defaults_and_filters_on_a_cpu():
+    config = config_from(parse_args(["--device", "cpu"]))
+    assert config.presets == ["smoke"] and config.dtypes == ["float32"] and config.dists == ["uniform"]
+    assert config.compile_backend == "aot_eager" and config.threads == 1
+    assert [v.name for v in config.variants] == [v.name for v in VARIANTS]  # every peer by default
+
+    config = config_from(parse_args(["--device", "cpu", "--preset", "all", "--dtype", "float16,bfloat16",
+                                     "--dtype", "float32", "--dist", "local", "--peers", "--variants", "msda*"]))
+    assert config.presets == list(bench_run.PRESETS)
+    assert config.dtypes == ["float16", "bfloat16", "float32"] and config.dists == ["local"]
+    assert [v.name for v in config.variants] == ["msda", "msda-autograd", "msda-graph"]
+    assert not any(v.peer for v in config_from(parse_args(["--device", "cpu", "--peers"])).variants)
+    with pytest.raises(SystemExit):
+        config_from(parse_args(["--device", "cpu", "--dtype", "float8"]))
+
+
+def test_cuda_bookkeeping_with_stand_in_timers(monkeypatch):
+    """The GPU path's arithmetic, on a CPU: the timers are replaced by ones that return a fixed
+    time per callable (forward 10, backward 20, forward+backward 30 us; graph replay 5% more)."""
+    inputs = make_inputs(bench_run.SMOKE, torch.float32, seed=0)
+    grad = torch.randn(2, 12, 16)
+    cell = Cell("smoke", bench_run.SMOKE, torch.float32, "uniform", torch.device("cpu"), inputs, grad, "eager", {})
+    cases = {"msda": _msda_op(cell), "autograd": _msda_autograd(cell), "compiled": _reference(cell, compiled=True)}
+    times = {}
+    for case in cases.values():
+        times[case.forward] = 10.0
+        times[case.step] = 30.0
+        if case.backward is not None:
+            times[case.backward] = 20.0
+
+    monkeypatch.setattr(bench_run, "_counts", lambda fn: (3, 5))
+    monkeypatch.setattr(bench_run, "profiler_device_time", lambda fn, calls, repeats: Timing([times[fn]] * repeats))
+    monkeypatch.setattr(bench_run, "graph_device_time", lambda fn, calls, replays: Timing([times[fn] * 1.05] * 3))
+    monkeypatch.setattr(bench_run, "end_to_end_time", lambda fn, calls, repeats: Timing([times[fn] * 2] * repeats))
+    monkeypatch.setattr(bench_run, "peak_memory_bytes", lambda fn: int(times[fn]) * 1000)
+
+    for name, case in cases.items():
+        variant = next(v for v in VARIANTS if v.name == "msda")
+        rows = {p: bench_run._row({}, variant, p, "ok", "") for p in bench_run.PASSES}
+        bench_run._time_cuda(case, rows)
+        fwd, bwd = rows["forward"], rows["backward"]
+        assert fwd["profiler_us"]["median"] == 10.0 and fwd["graph_us"]["median"] == pytest.approx(10.5)
+        assert fwd["e2e_us"]["median"] == 20.0 and fwd["peak_bytes"] == 10000 and fwd["agree"] is True
+        assert bwd["profiler_us"]["median"] == pytest.approx(20.0), name
+        assert bwd["graph_us"]["median"] == pytest.approx(21.0), name  # direct, or step minus forward
+        assert bwd["e2e_us"]["median"] == pytest.approx(40.0), name
+        assert bwd["agree"] is True, name
+        if name == "autograd":
+            assert "graph: (forward+backward) - forward" in bwd["notes"]
+        if name == "compiled":
+            assert bwd["peak_bytes"] == 30000 and any("(forward+backward) - forward" in n for n in bwd["notes"])
+
+
+def test_ratios_use_the_fastest_baseline_within_tolerance():
+    def row(variant, baseline, time_us, ok=True):
+        r = bench_run._row({}, next(v for v in VARIANTS if v.name == variant), "forward", "ok", "")
+        r.update(baseline=baseline, time_us=time_us, e2e_us={"median": 2 * time_us, "iqr": 0.0, "n": 1},
+                 errors_ok=ok)
+        return r
+
+    rows = [row("msda", False, 10.0), row("reference", True, 40.0), row("reference-compile", True, 20.0),
+            row("deformops", True, 5.0, ok=False)]  # fastest, but wrong: not the yardstick
+    bench_run._rank(rows)
+    assert rows[0]["ratio"] == 2.0 and rows[0]["best_baseline"] == "reference-compile"
+    assert rows[0]["ratio_e2e"] == 2.0
+    assert rows[1]["ratio"] == 0.5 and rows[3]["ratio"] == 4.0
+
+
+def test_validate_reports_schema_problems():
+    assert "missing top-level key 'rows'" in report.validate({})
+    results = {"schema": 1, "machine": {"gpu": None, "torch": "x", "triton": None, "clocks": None, "cpu": "c",
+                                        "peers": {}},
+               "config": {}, "copy_bandwidth_GBps": 1.0, "rows": [], "complete": True, "elapsed_s": 1.0}
+    assert report.validate(results) == []
+    row = bench_run._row({"preset": "smoke", "dtype": "float32", "dist": "uniform"}, VARIANTS[0], "forward", "ok", "")
+    assert report.validate({**results, "rows": [row]}) == []
+    assert report.validate({**results, "rows": [{**row, "status": "fine"}]}) == ["row 0 status 'fine'"]
+    assert report.validate({**results, "rows": [{**row, "e2e_us": {"median": 1.0}}]})
+
+
+def test_smoke_preset_end_to_end(tmp_path):
+    """The acceptance check of the bench issue: the smoke preset on a CPU writes the three files,
+    with eager and compiled rows, the reference rows and the error columns, all correct."""
+    out, trace = tmp_path / "out", tmp_path / "trace"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--preset", "smoke", "--device", "cpu", "--out", str(out),
+         "--trace", str(trace)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name in ("results.json", "results.md", "results.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert list(trace.glob("trace_smoke_float32_uniform.json"))
+
+    results = json.loads((out / "results.json").read_text())
+    assert report.validate(results) == []
+    assert results["complete"] and results["config"]["device"] == "cpu"
+    rows = {(r["variant"], r["pass"]): r for r in results["rows"]}
+    for variant in ("msda", "msda-autograd", "reference", "reference-compile", "block", "block-compile"):
+        for p in ("forward", "backward"):
+            r = rows[variant, p]
+            assert r["status"] == "ok", r
+            assert r["e2e_us"]["median"] > 0 and r["time_us"] > 0 and r["ratio"] > 0
+            assert r["errors"] and all(e <= TOLERANCE[torch.float32] for e in r["errors"].values()), r
+    assert set(rows["msda", "forward"]["errors"]) == {"output"}
+    assert set(rows["msda", "backward"]["errors"]) == {"grad_value", "grad_sampling_locations",
+                                                      "grad_attention_weights"}
+    assert rows["msda", "forward"]["floor_fraction"] > 0
+    for variant in ("msda-graph", "block-reduce-overhead"):
+        assert rows[variant, "forward"]["status"] == "skipped"
+    for peer in ("deformops", "mmcv"):
+        assert rows[peer, "forward"]["status"] in ("ok", "unavailable", "error")
+        assert rows[peer, "forward"]["note"] or rows[peer, "forward"]["status"] == "ok"
+    markdown = (out / "results.md").read_text()
+    assert "| msda | forward |" in markdown and "err ∂loc/∂ref" in markdown
