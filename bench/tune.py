@@ -1,0 +1,110 @@
+"""Sweep the kernels' launch heuristics at the BENCHMARKING.md presets.
+
+    python -m bench.tune [--presets decoder encoder] [--dtypes float32 float16 bfloat16]
+
+Device time by CUDA-graph replay of the operator calls (uniform locations), one line per
+(kernel, preset, dtype, variant), and the peer deformops beside it when importable. Used to
+choose the FORWARD_*/BACKWARD_* constants in msda/kernels; bench/NOTES.md logs the choices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import torch
+
+import msda
+from msda.kernels import backward as backward_kernel
+from msda.kernels import forward as forward_kernel
+from msda.testing import PRESETS, make_inputs
+
+from .timing import graph_device_time, profiler_device_time
+
+# Forward: (elements per corner per step, warps, samples per step); backward: (elements, warps).
+FORWARD_SWEEP = [
+    (4096, 4, 16),
+    (4096, 2, 16),
+    (2048, 2, 16),
+    (1024, 4, 1),
+    (2048, 4, 1),
+    (1024, 2, 1),
+    (2048, 4, 2),
+    (2048, 4, 4),
+    (4096, 4, 4),
+    (2048, 2, 4),
+    (4096, 8, 4),
+]
+BACKWARD_SWEEP = [(1024, 4), (1024, 2), (2048, 4)]
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _configure_forward(tile: int, warps: int, max_block_lk: int) -> None:
+    forward_kernel.FORWARD_TILE_ELEMENTS = tile
+    forward_kernel.FORWARD_NUM_WARPS = warps
+    forward_kernel.FORWARD_MAX_BLOCK_LK = max_block_lk
+
+
+def _configure_backward(tile: int, warps: int) -> None:
+    backward_kernel.BACKWARD_TILE_ELEMENTS = tile
+    backward_kernel.BACKWARD_NUM_WARPS = warps
+
+
+def _autograd_backward(forward, args, grad):
+    value, shapes, starts, loc, attn = (a.detach().requires_grad_(a.is_floating_point()) for a in args)
+    out = forward(value, shapes, starts, loc, attn)
+    return lambda: torch.autograd.grad(out, (value, loc, attn), grad, retain_graph=True)
+
+
+def _deformops():
+    try:
+        importlib.import_module("deformops.registry.msda")
+        return torch.ops.deformops.msda, ""
+    except (ImportError, AttributeError) as e:
+        return None, f"deformops not importable: {e}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", nargs="+", default=["decoder", "encoder"], choices=sorted(PRESETS))
+    parser.add_argument("--kernels", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    opts = parser.parse_args()
+
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
+    peer, why = _deformops()
+    if peer is None:
+        print(why)
+    for preset in opts.presets:
+        for dtype_name in opts.dtypes:
+            args = make_inputs(PRESETS[preset], DTYPES[dtype_name], "cuda", seed=0).args()
+            grad = torch.randn_like(torch.ops.msda.forward(*args))
+            cell = f"{preset:8s} {dtype_name:9s}"
+            for variant in FORWARD_SWEEP if "fwd" in opts.kernels else []:
+                _configure_forward(*variant)
+                print(f"fwd {cell} {variant}  {graph_device_time(lambda: torch.ops.msda.forward(*args))}")
+            for variant in BACKWARD_SWEEP if "bwd" in opts.kernels else []:
+                _configure_backward(*variant)
+                t = graph_device_time(lambda: torch.ops.msda.backward(grad, *args), calls=10, replays=5)
+                print(f"bwd {cell} {variant}  {t}")
+            backward = "bwd" in opts.kernels
+            if backward:
+                _configure_backward(*BACKWARD_SWEEP[0])
+                # The profiler, not graph replay: autograd's backward waits on the stream its
+                # forward ran on, which a capture on a side stream may not depend on.
+                t = profiler_device_time(_autograd_backward(msda.multi_scale_deformable_attention, args, grad), 10, 3)
+                print(f"bwd {cell} msda autograd.grad (profiler) {t}")
+            if peer is not None:
+                try:
+                    print(f"fwd {cell} deformops {graph_device_time(lambda: peer(*args))}")
+                    if backward:
+                        t = profiler_device_time(_autograd_backward(peer, args, grad), 10, 3)
+                        print(f"bwd {cell} deformops autograd.grad (profiler) {t}")
+                except Exception as e:  # a peer's failure is a line, not a crash
+                    print(f"deformops failed: {type(e).__name__}: {e}")
+            del args, grad
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
