@@ -1,0 +1,52 @@
+"""GPU tier: the Triton kernels at the BENCHMARKING.md presets against the float64 reference,
+for every dtype, mixed location/value dtypes, both location distributions."""
+
+import pytest
+import torch
+
+from msda import ops
+from msda.kernels.backward import grad_value_accumulator_dtype
+from msda.testing import PRESETS, make_inputs
+
+from ..helpers import assert_matches_reference, forward_backward, random_like_output
+
+CASES = [
+    # (value dtype, locations/weights dtype)
+    (torch.float32, torch.float32),
+    (torch.float16, torch.float16),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float32),  # mixed precision: float32 locations, half value
+    (torch.bfloat16, torch.float32),
+]
+
+
+def test_cuda_runs_the_triton_kernels():
+    assert ops.uses_triton(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("dist", ["uniform", "local"])
+@pytest.mark.parametrize("dtype,loc_dtype", CASES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("preset", ["decoder", "encoder"])
+def test_preset_matches_reference(preset, dtype, loc_dtype, dist):
+    inputs = make_inputs(PRESETS[preset], dtype, "cuda", loc_dtype=loc_dtype, dist=dist, seed=3)
+    grad_output = random_like_output(inputs)
+    errors = assert_matches_reference(inputs, forward_backward(inputs, grad_output), grad_output)
+    print(preset, dist, dtype, loc_dtype, {k: f"{v:.2e}" for k, v in errors.items()})
+
+
+def test_float64_matches_reference():
+    inputs = make_inputs(PRESETS["decoder"], torch.float64, "cuda", seed=4)
+    grad_output = random_like_output(inputs)
+    assert_matches_reference(inputs, forward_backward(inputs, grad_output), grad_output)
+
+
+@pytest.mark.parametrize("preset,expected", [("decoder", "native"), ("encoder", "float32")])
+def test_grad_value_accumulator_rule(preset, expected):
+    """The documented rule: native half atomics where samples are sparse (the decoder),
+    a float32 buffer where they are dense (the encoder)."""
+    shape = PRESETS[preset]
+    for dtype in (torch.float16, torch.bfloat16):
+        chosen = grad_value_accumulator_dtype(
+            dtype, torch.device("cuda"), shape.queries, shape.num_values, len(shape.levels), shape.points
+        )
+        assert chosen == (dtype if expected == "native" else torch.float32)

@@ -1,0 +1,52 @@
+"""Helpers shared by the tests: run the operator and compare with the float64 reference."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+import msda
+from msda.testing import Inputs, reference_with_grads, relative_error, tolerance
+
+GRAD_NAMES = ("output", "grad_value", "grad_sampling_locations", "grad_attention_weights")
+
+
+def forward_backward(inputs: Inputs, grad_output: Tensor, fn=msda.multi_scale_deformable_attention):
+    """Output and the three gradients of `fn` through autograd (inputs are detached copies)."""
+    value = inputs.value.detach().clone().requires_grad_()
+    loc = inputs.sampling_locations.detach().clone().requires_grad_()
+    attn = inputs.attention_weights.detach().clone().requires_grad_()
+    out = fn(value, inputs.spatial_shapes, inputs.level_start_index, loc, attn)
+    out.backward(grad_output)
+    return out.detach(), value.grad, loc.grad, attn.grad
+
+
+def assert_matches_reference(inputs: Inputs, results, grad_output: Tensor, scale: float = 1.0) -> dict[str, float]:
+    """Assert output and gradients are within SPEC.md's bound of the float64 reference.
+
+    The bound is that of the least precise dtype among the inputs (a float16 value limits the
+    accuracy of the location gradient too). Returns the errors for printing.
+    """
+    expected = reference_with_grads(inputs, grad_output)
+    dtypes = (inputs.value.dtype, inputs.sampling_locations.dtype, inputs.attention_weights.dtype)
+    bound = tolerance(*dtypes) * scale
+    errors = {}
+    for name, actual, ref, like in zip(
+        GRAD_NAMES,
+        results,
+        expected,
+        (inputs.value, inputs.value, inputs.sampling_locations, inputs.attention_weights),
+    ):
+        assert actual.dtype == like.dtype, f"{name}: dtype {actual.dtype}, expected {like.dtype}"
+        assert actual.device == like.device, f"{name}: device {actual.device}, expected {like.device}"
+        errors[name] = relative_error(actual, ref)
+    bad = {k: v for k, v in errors.items() if not v <= bound}
+    assert not bad, f"relative errors {bad} exceed {bound:.1e} (dtypes {dtypes}); all: {errors}"
+    return errors
+
+
+def random_like_output(inputs: Inputs, seed: int = 1) -> Tensor:
+    B, Q, M = inputs.attention_weights.shape[:3]
+    D = inputs.value.shape[-1]
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(B, Q, M * D, generator=gen).to(inputs.value.device, inputs.value.dtype)
