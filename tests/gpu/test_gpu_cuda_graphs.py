@@ -1,0 +1,155 @@
+"""GPU tier: the operator inside CUDA graphs. torch.compile(mode="reduce-overhead") runs the
+inference and the training step of a Deformable-DETR-style block in CUDA graphs, with no graph
+skipped; a no-grad forward captured with torch.cuda.graph replays on new data (new level shapes
+included); torch.cuda.make_graphed_callables graphs forward and backward; all equal eager. And the
+prerequisite of every capture: forward and backward never synchronize with the host.
+
+Warm-up before any capture: the first call of each dtype / shape bucket JIT-compiles the Triton
+kernels (and cuBLAS sets up), which must not happen inside a capture. So one forward (and backward,
+if it will be captured) runs on a side stream before torch.cuda.graph; make_graphed_callables and
+reduce-overhead do that warm-up themselves."""
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch._inductor.config
+from torch._dynamo.utils import counters
+from torch._inductor import cudagraph_trees
+
+from msda.testing import TOLERANCE
+
+from ..detr_block import IMAGE_SIZES, assert_within, cotangent, make_block, make_inputs, outputs_and_grads
+
+BOUND = TOLERANCE[torch.float32]
+SIZE = (3, IMAGE_SIZES[0], 50)  # batch, image size, queries
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    cudagraph_trees.reset_cudagraph_trees()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    cudagraph_trees.reset_cudagraph_trees()
+
+
+def _no_cudagraph_skips():
+    """Make inductor raise, with its reason, where it would skip a CUDA graph (where this torch
+    has the switch; counters["inductor"]["cudagraph_skips"] is checked either way)."""
+    if hasattr(torch._inductor.config.triton, "cudagraph_or_error"):
+        return torch._inductor.config.patch({"triton.cudagraph_or_error": True})
+    return contextlib.nullcontext()
+
+
+def _recorded_cuda_graphs() -> int:
+    """How many CUDA graphs inductor's CUDA graph trees have recorded on the current device."""
+    manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    nodes = list(manager.get_roots()) if manager is not None else []
+    count = 0
+    while nodes:
+        node = nodes.pop()
+        count += 1
+        nodes.extend(child for children in node.children.values() for child in children)
+    return count
+
+
+@pytest.mark.compile
+def test_reduce_overhead_inference_runs_in_a_cuda_graph(fresh_dynamo):
+    block = make_block("cuda").eval()
+    compiled = torch.compile(block, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad(), _no_cudagraph_skips():
+        for step in range(3):  # a warm-up run, the recording, a replay
+            args = make_inputs(*SIZE, "cuda", seed=step)
+            torch.compiler.cudagraph_mark_step_begin()
+            out = compiled(*args).clone()  # the graph's output buffer is reused by the next replay
+            assert_within(out, block(*args), BOUND, f"step {step}")
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    assert _recorded_cuda_graphs() >= 1
+
+
+@pytest.mark.compile
+def test_reduce_overhead_training_step_runs_in_cuda_graphs(fresh_dynamo):
+    eager = make_block("cuda")
+    block = copy.deepcopy(eager)
+    compiled = torch.compile(block, mode="reduce-overhead", fullgraph=True)
+    optimizers = {model: torch.optim.SGD(model.parameters(), lr=0.1) for model in (eager, block)}
+    with _no_cudagraph_skips():
+        for step in range(3):  # a warm-up run, the recording, a replay; SGD steps in between
+            args = make_inputs(*SIZE, "cuda", seed=step)
+            expected_out, expected_grads = outputs_and_grads(eager, args)
+            optimizers[eager].step()
+            torch.compiler.cudagraph_mark_step_begin()
+            out, grads = outputs_and_grads(compiled, args)  # grads set to None, then backward
+            optimizers[block].step()
+            assert_within(out, expected_out, BOUND, f"step {step}: output")
+            assert_within(grads, expected_grads, BOUND, f"step {step}: gradients")
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    assert _recorded_cuda_graphs() >= 2  # the forward and, below it in the tree, the backward
+    assert_within(dict(block.named_parameters()), dict(eager.named_parameters()), BOUND, "parameters after 3 steps")
+
+
+def test_manual_capture_replays_on_new_data():
+    block = make_block("cuda").eval()
+    static_args = make_inputs(*SIZE, "cuda", seed=0)
+
+    # Warm-up on a side stream: compiles the Triton kernels for this bucket outside the capture.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        block(*static_args)
+    torch.cuda.current_stream().wait_stream(side)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        static_out = block(*static_args)
+
+    # New features, queries and reference points; the second replay also swaps the level shapes
+    # for their transpose (same token count): the kernels read the shapes on the device.
+    batch, (height, width), queries = SIZE
+    for seed, image_size in ((1, (height, width)), (2, (width, height))):
+        args = make_inputs(batch, image_size, queries, "cuda", seed=seed)
+        for static, new in zip(static_args, args):
+            static.copy_(new)
+        graph.replay()
+        with torch.no_grad():
+            expected = block(*args)
+        assert_within(static_out, expected, BOUND, f"replay on image {image_size}")
+
+
+def test_make_graphed_callables_forward_and_backward():
+    eager = make_block("cuda")
+    block = copy.deepcopy(eager)
+    sample = make_inputs(*SIZE, "cuda", seed=0)
+    sample[0].requires_grad_()  # query and memory need grads, as in outputs_and_grads
+    sample[2].requires_grad_()
+    # Warms up (JIT compiles forward and backward kernels) on a side stream, then captures.
+    graphed = torch.cuda.make_graphed_callables(block, sample)
+    for seed in (1, 2):
+        args = make_inputs(*SIZE, "cuda", seed=seed)
+        out, grads = outputs_and_grads(graphed, args)
+        expected_out, expected_grads = outputs_and_grads(eager, args)
+        assert_within(out, expected_out, BOUND, f"seed {seed}: output")
+        assert_within(grads, expected_grads, BOUND, f"seed {seed}: gradients")
+
+
+def test_forward_and_backward_never_synchronize_with_the_host():
+    block = make_block("cuda")
+    args = make_inputs(*SIZE, "cuda", seed=0, requires_grad=True)
+    # level_start_index None too: then the functional form computes it on the device.
+    calls = [args, (*args[:4], None)]
+    grad_output = cotangent(block(*args))  # made before the check: a copy from pageable memory syncs
+    for call_args in calls:  # warm-up: kernels compiled, allocator and cuBLAS set up
+        block(*call_args).backward(grad_output)
+    torch.cuda.synchronize()
+
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing call now raises
+    try:
+        for call_args in calls:
+            block(*call_args).backward(grad_output)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()
