@@ -26,8 +26,8 @@ def multi_scale_deformable_attention(
 
     Args:
         value: (B, S, M, D), the L levels flattened row-major and concatenated along S.
-        spatial_shapes: (L, 2) integer (H_l, W_l) per level.
-        level_start_index: (L,) integer start row of each level in S, or None to compute it.
+        spatial_shapes: (L, 2) int64 or int32 (H_l, W_l) per level.
+        level_start_index: (L,) int64 or int32 start row of each level in S, or None to compute it.
         sampling_locations: (B, Q, M, L, K, 2) normalized (x, y), nominally in [0, 1];
             bilinear sampling with zero padding, as F.grid_sample(align_corners=False).
         attention_weights: (B, Q, M, L, K), used as given (no softmax).
@@ -35,6 +35,9 @@ def multi_scale_deformable_attention(
     Returns:
         (B, Q, M * D) in value's dtype. Differentiable in value, sampling_locations and
         attention_weights.
+
+    Raises:
+        TypeError, ValueError: naming the argument, for any call outside this contract.
     """
     if level_start_index is None:
         level_start_index = level_start_index_from_shapes(spatial_shapes)

@@ -1,0 +1,97 @@
+"""Launch the Triton forward and backward kernels on edge shapes, for compute-sanitizer:
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitize.py [--large]
+
+The shapes are the edge cases of tests/test_edge_cases.py (1x1, 1x200 and 200x1 levels, D = 24
+and 256, NaN / +-inf / far-outside locations, non-contiguous arguments, an expanded grad_output,
+int32 shapes; the empty calls launch nothing) in every value dtype, plus the bad inputs that only
+a CPU eager call can reject (S != sum(H * W), empty or negative levels, inconsistent
+level_start_index): on CUDA they run, and every access must stay inside its tensor. --large adds
+a value of more than 2**31 elements (4 GiB), sampled near its end (the 64-bit index path).
+
+Prints one summary line. memcheck reports the kernels' errors; a Python error exits nonzero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: msda, tests
+
+from msda import ops  # noqa: E402
+from tests.test_bad_input import BAD_CALLS, FORWARD_ARGS, valid_args  # noqa: E402
+from tests.test_edge_cases import EDGE_CASES  # noqa: E402
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def forward_backward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_output):
+    """One forward and one backward launch through the registered operators."""
+    out = torch.ops.msda.forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    grads = torch.ops.msda.backward(
+        grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights
+    )
+    return out, *grads
+
+
+def large_call(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """bfloat16 value (2, S, 2, 32), S = 2048 * 8192 + 37 * 53 (2**31 + 251,008 elements), every
+    sample near the far corner of its level (x, y in [0.99, 1.01))."""
+    levels = ((2048, 8192), (37, 53))
+    S = sum(h * w for h, w in levels)
+    value = torch.zeros(2, S, 2, 32, dtype=torch.bfloat16, device=device)
+    shapes = torch.tensor(levels, device=device)
+    starts = torch.tensor([0, levels[0][0] * levels[0][1]], device=device)
+    loc = 0.99 + 0.02 * torch.rand(2, 64, 2, 2, 4, 2, device=device)
+    attn = torch.rand(2, 64, 2, 2, 4, device=device)
+    grad_output = torch.randn(2, 64, 64, device=device, dtype=torch.bfloat16)
+    return value, shapes, starts, loc, attn, grad_output
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--large", action="store_true", help="add a value of more than 2**31 elements (4 GiB)")
+    # A dry run of this script without a GPU: --device cpu with TRITON_INTERPRET=1 MSDA_BACKEND=triton.
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    assert ops.uses_triton(device), f"{device} tensors must run the Triton kernels (is MSDA_BACKEND=torch set?)"
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+
+    launched = empty = 0
+    for case in EDGE_CASES:
+        for dtype in DTYPES:
+            inputs, grad_output = case.build(dtype, device)
+            forward_backward(*inputs.args(), grad_output)
+            sync()
+            if case.shape.batch * case.shape.queries == 0:
+                empty += 1  # the operators launch nothing for an empty call
+            else:
+                launched += 1
+    # On CPU these are rejected by the eager data checks: nothing to launch.
+    unchecked = [case for case in BAD_CALLS if case.needs_data] if device.type == "cuda" else []
+    for case in unchecked:
+        edited = case.edit(valid_args(device))
+        forward_backward(*(edited[name] for name in (*FORWARD_ARGS, "grad_output")))
+        sync()
+        launched += 1
+    if args.large:
+        forward_backward(*large_call(device))
+        sync()
+        launched += 1
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    print(
+        f"sanitize: {launched} forward+backward calls launched on {name} "
+        f"({len(EDGE_CASES)} edge cases x {len(DTYPES)} dtypes, {len(unchecked)} unchecked bad inputs"
+        f"{', 1 value > 2**31 elements' if args.large else ''}; {empty} empty calls launch nothing)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
