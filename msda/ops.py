@@ -93,7 +93,8 @@ def forward(
     B, S, M, D, Q, L, K = _dims(value, sampling_locations)
     out = value.new_empty((B, Q, M * D))
     # int() specializes the per-model constants L, K, D under dynamic shapes; B, Q, S stay symbolic.
-    config = forward_launch_config(int(L), int(K), int(D))
+    compute = _compute_dtype(value, sampling_locations, attention_weights)
+    config = forward_launch_config(int(L), int(K), int(D), float64=compute == tl.float64)
     grid = (triton.cdiv(Q, config["BLOCK_Q"]) * B * M,)
     if out.numel() > 0:
         with _on_device(value.device):
@@ -110,7 +111,7 @@ def forward(
                 D,
                 NUM_LEVELS=int(L),
                 NUM_POINTS=int(K),
-                COMPUTE=_compute_dtype(value, sampling_locations, attention_weights),
+                COMPUTE=compute,
                 INDEX_64=_needs_int64(value, sampling_locations, out),
                 **config,
             )

@@ -79,6 +79,15 @@ FORWARD_MAX_BLOCK_LK = 1  # samples per step
 FORWARD_NUM_WARPS = 4
 
 
-def forward_launch_config(num_levels: int, num_points: int, head_dim: int) -> dict[str, int]:
-    block_q, block_lk, block_d = tile_sizes(num_levels, num_points, head_dim, FORWARD_TILE_ELEMENTS, FORWARD_MAX_BLOCK_LK)
+def forward_launch_config(num_levels: int, num_points: int, head_dim: int, float64: bool = False) -> dict[str, int]:
+    if float64:
+        # gradcheck's dtype, not a fast path: one query a program, all its samples in one step.
+        # triton 3.6 failed to compile 8-byte tiles of exactly 16 sample rows over 2 or more
+        # queries (a layout pass on the sample mask); this rule compiled at every (L, K, D) of
+        # the sweep in bench/NOTES.md.
+        block_q, block_lk, block_d = tile_sizes(num_levels, num_points, head_dim, 1)
+    else:
+        block_q, block_lk, block_d = tile_sizes(
+            num_levels, num_points, head_dim, FORWARD_TILE_ELEMENTS, FORWARD_MAX_BLOCK_LK
+        )
     return dict(BLOCK_Q=block_q, BLOCK_LK=block_lk, BLOCK_D=block_d, num_warps=FORWARD_NUM_WARPS)
