@@ -1,0 +1,93 @@
+"""Compile both kernels for sm_90 (Hopper) with the installed triton, at the launch configurations
+the operator picks, across dtypes, (L, K, D) and index widths. No GPU needed: triton's own ptxas
+runs here. Run it without TRITON_INTERPRET (interpreted kernels cannot be compiled).
+
+    python scripts/compile_check.py [--full]
+
+Triton's compiler crashed on some tile shapes in one release and not in another (3.6, the H200's,
+failed in a layout pass where 3.9 compiled; bench/NOTES.md): only a compile shows that, never the
+interpreter. Prints each failure and a summary; exits 1 on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("compile_check: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from msda.kernels.backward import backward_launch_config, msda_backward_kernel  # noqa: E402
+from msda.kernels.forward import forward_launch_config, msda_forward_kernel  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+# value, locations/weights, grad_value accumulator (triton pointer types), compute dtype
+DTYPES = {
+    "float32": ("fp32", "fp32", "fp32", tl.float32),
+    "float16": ("fp16", "fp32", "fp16", tl.float32),
+    "bfloat16": ("bf16", "bf16", "fp32", tl.float32),
+    "float64": ("fp64", "fp64", "fp64", tl.float64),
+}
+# The preset, and shapes that crashed triton 3.6 (float64 tiles of 16 sample rows).
+QUICK_SHAPES = [(4, 4, 32), (3, 2, 24), (1, 1, 64), (4, 2, 96)]
+FULL_SHAPES = [(L, K, D) for L in (1, 3, 4) for K in (1, 2, 4, 8) for D in (1, 3, 8, 24, 32, 48, 64, 96, 256)]
+
+
+def signatures(value: str, loc: str, accumulator: str) -> tuple[dict, dict]:
+    ints = {name: "i32" for name in ("num_queries", "num_values", "num_heads", "head_dim")}
+    forward = {"value_ptr": f"*{value}", "shapes_ptr": "*i64", "starts_ptr": "*i64", "loc_ptr": f"*{loc}",
+               "attn_ptr": f"*{loc}", "out_ptr": f"*{value}", **ints}
+    backward = {"grad_out_ptr": f"*{value}", "grad_out_stride_b": "i32", "grad_out_stride_q": "i32",
+                "grad_out_stride_c": "i32", "value_ptr": f"*{value}", "shapes_ptr": "*i64", "starts_ptr": "*i64",
+                "loc_ptr": f"*{loc}", "attn_ptr": f"*{loc}", "grad_value_ptr": f"*{accumulator}",
+                "grad_loc_ptr": f"*{loc}", "grad_attn_ptr": f"*{loc}", **ints}
+    return forward, backward
+
+
+def compile_for_hopper(kernel, signature: dict, config: dict, constants: dict, head_dim: int) -> None:
+    constexprs = {**{k: v for k, v in config.items() if k != "num_warps"}, **constants}
+    # Pointers are 16-byte aligned (PyTorch allocations); D is divisible by 16 when it is.
+    divisible = [name for name, kind in signature.items() if kind.startswith("*")]
+    divisible += ["head_dim"] if head_dim % 16 == 0 else []
+    source = ASTSource(
+        kernel,
+        {**signature, **{name: "constexpr" for name in constexprs}},
+        constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()},
+        attrs={(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible},
+    )
+    triton.compile(source, target=HOPPER, options={"num_warps": config["num_warps"]})
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--full", action="store_true", help="108 (L, K, D) shapes and int64 indices too")
+    full = parser.parse_args().full
+    failures = 0
+    cases = list(itertools.product(FULL_SHAPES if full else QUICK_SHAPES, DTYPES.items(), (False, True) if full else (False,)))
+    for (levels, points, head_dim), (name, (value, loc, accumulator, compute)), index_64 in cases:
+        forward, backward = signatures(value, loc, accumulator)
+        constants = dict(NUM_LEVELS=levels, NUM_POINTS=points, COMPUTE=compute, INDEX_64=index_64)
+        for kernel, signature, config in (
+            (msda_forward_kernel, forward, forward_launch_config(levels, points, head_dim, name == "float64")),
+            (msda_backward_kernel, backward, backward_launch_config(levels, points, head_dim)),
+        ):
+            try:
+                compile_for_hopper(kernel, signature, config, constants, head_dim)
+            except Exception as error:  # report every failing case, not just the first
+                failures += 1
+                first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                print(f"FAIL {kernel.__name__} {name} L={levels} K={points} D={head_dim} int64={index_64} "
+                      f"{config}: {first_line}", flush=True)
+    print(f"triton {triton.__version__}: {2 * len(cases) - failures} of {2 * len(cases)} kernels compiled for sm_90")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
