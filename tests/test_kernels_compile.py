@@ -26,4 +26,5 @@ def test_kernels_compile_for_hopper():
 def test_float64_forward_runs_one_query_per_program():
     """The rule that keeps triton 3.6 compiling float64 (gradcheck) tiles."""
     assert forward_launch_config(4, 4, 32, float64=True)["BLOCK_Q"] == 1
+    assert forward_launch_config(4, 4, 32, float64=True)["BLOCK_LK"] == 1
     assert forward_launch_config(4, 4, 32)["BLOCK_Q"] == 32

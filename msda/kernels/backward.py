@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .sampling import corner, load_samples, tile_sizes
+from .sampling import corner, place_samples, sample_indices, tile_sizes
 
 
 @triton.jit
@@ -46,10 +46,17 @@ def msda_backward_kernel(
     q_mask = offs_q < num_queries
     d_mask = offs_d < head_dim
 
-    param, mask, attn, h, w, start, x0, y0, fx, fy, touches = load_samples(
-        loc_ptr, attn_ptr, shapes_ptr, starts_ptr, b, m, offs_q, 0, num_queries, num_heads,
-        NUM_LEVELS, NUM_POINTS, BLOCK_LK, COMPUTE,
+    level, lk_mask, param, mask = sample_indices(
+        b, m, offs_q, 0, num_queries, num_heads, NUM_LEVELS, NUM_POINTS, BLOCK_LK
     )
+    h = tl.load(shapes_ptr + 2 * level, mask=lk_mask, other=0).to(b.dtype)[None, :]
+    w = tl.load(shapes_ptr + 2 * level + 1, mask=lk_mask, other=0).to(b.dtype)[None, :]
+    start = tl.load(starts_ptr + level, mask=lk_mask, other=0).to(b.dtype)[None, :]
+    attn = tl.load(attn_ptr + param, mask=mask, other=0.0).to(COMPUTE)
+    # x and y interleave, so the two loads share sectors.
+    x = tl.load(loc_ptr + 2 * param, mask=mask, other=0.0)
+    y = tl.load(loc_ptr + 2 * param + 1, mask=mask, other=0.0)
+    x0, y0, fx, fy, touches = place_samples(x, y, h, w, mask, COMPUTE)
     grad_out = tl.load(
         grad_out_ptr
         + b * grad_out_stride_b

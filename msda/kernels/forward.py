@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .sampling import corner, load_samples, tile_sizes
+from .sampling import corner, place_samples, sample_indices, tile_sizes
 
 
 @triton.jit
@@ -42,10 +42,17 @@ def msda_forward_kernel(
     # float32 registers whatever the storage dtype; the sample axis is reduced once at the end.
     acc = tl.zeros([BLOCK_Q, BLOCK_LK, BLOCK_D], dtype=COMPUTE)
     for lk_start in tl.static_range(0, NUM_LEVELS * NUM_POINTS, BLOCK_LK):
-        _, _, attn, h, w, start, x0, y0, fx, fy, touches = load_samples(
-            loc_ptr, attn_ptr, shapes_ptr, starts_ptr, b, m, offs_q, lk_start, num_queries, num_heads,
-            NUM_LEVELS, NUM_POINTS, BLOCK_LK, COMPUTE,
+        level, lk_mask, param, mask = sample_indices(
+            b, m, offs_q, lk_start, num_queries, num_heads, NUM_LEVELS, NUM_POINTS, BLOCK_LK
         )
+        h = tl.load(shapes_ptr + 2 * level, mask=lk_mask, other=0).to(b.dtype)[None, :]
+        w = tl.load(shapes_ptr + 2 * level + 1, mask=lk_mask, other=0).to(b.dtype)[None, :]
+        start = tl.load(starts_ptr + level, mask=lk_mask, other=0).to(b.dtype)[None, :]
+        attn = tl.load(attn_ptr + param, mask=mask, other=0.0).to(COMPUTE)
+        # x and y interleave, so the two loads share sectors.
+        x = tl.load(loc_ptr + 2 * param, mask=mask, other=0.0)
+        y = tl.load(loc_ptr + 2 * param + 1, mask=mask, other=0.0)
+        x0, y0, fx, fy, touches = place_samples(x, y, h, w, mask, COMPUTE)
         for DY in tl.static_range(2):
             for DX in tl.static_range(2):
                 row, inside, weight, _, _ = corner(
@@ -81,11 +88,11 @@ FORWARD_NUM_WARPS = 4
 
 def forward_launch_config(num_levels: int, num_points: int, head_dim: int, float64: bool = False) -> dict[str, int]:
     if float64:
-        # gradcheck's dtype, not a fast path: one query a program, all its samples in one step.
-        # triton 3.6 failed to compile 8-byte tiles of exactly 16 sample rows over 2 or more
-        # queries (a layout pass on the sample mask); this rule compiled at every (L, K, D) of
-        # the sweep in bench/NOTES.md.
-        block_q, block_lk, block_d = tile_sizes(num_levels, num_points, head_dim, 1)
+        # gradcheck's dtype, not a fast path: one query and one sample per step. triton 3.6
+        # failed to compile 8-byte tiles of exactly 16 sample rows (a layout pass on the sample
+        # mask): over 2 or more queries at first, then over one query with int32 spatial shapes.
+        # One row per step compiles at every case of scripts/compile_check.py.
+        block_q, block_lk, block_d = tile_sizes(num_levels, num_points, head_dim, 1, max_block_lk=1)
     else:
         block_q, block_lk, block_d = tile_sizes(
             num_levels, num_points, head_dim, FORWARD_TILE_ELEMENTS, FORWARD_MAX_BLOCK_LK

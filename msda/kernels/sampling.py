@@ -3,6 +3,13 @@
 A program owns BLOCK_Q queries of one (batch, head) pair. Its sampling parameters form a
 [BLOCK_Q, BLOCK_LK] tile (all L*K points of each query, loaded once); each bilinear corner of
 that tile is then a [BLOCK_Q, BLOCK_LK] tile of value rows, gathered D channels at a time.
+
+These helpers take no pointers, and the kernels load their inputs themselves: torch.compile
+decides which tensors a Triton kernel writes by tracing each store's address back through the
+kernel's TTIR, and through a call it reaches every argument of the call. A helper that loaded
+the locations and returned the value rows they point at made it believe the backward writes
+`sampling_locations`, `attention_weights` and both index tensors: it then cloned them and copied
+the clones back over the inputs (an error on a leaf that requires grad).
 """
 
 import triton
@@ -10,11 +17,7 @@ import triton.language as tl
 
 
 @triton.jit
-def load_samples(
-    loc_ptr,
-    attn_ptr,
-    shapes_ptr,
-    starts_ptr,
+def sample_indices(
     b,
     m,
     offs_q,
@@ -24,38 +27,36 @@ def load_samples(
     NUM_LEVELS: tl.constexpr,
     NUM_POINTS: tl.constexpr,
     BLOCK_LK: tl.constexpr,
-    COMPUTE: tl.constexpr,
 ):
-    """Load BLOCK_LK of the L*K sampling parameters of each query, from sample `lk_start` on,
-    and place them on their level.
-
-    Returns the flat parameter index and its mask, the attention weight, the level's (H, W, start),
-    the top-left corner (x0, y0), the fractions (fx, fy), and `touches`: the sample reaches the level
-    at all. Indices take the dtype of `b`: int64 when a tensor can pass 2**31 elements.
-    """
+    """Which BLOCK_LK of the L*K samples of each query this step covers, from sample `lk_start`
+    on: their level ([BLOCK_LK]) and its mask, their flat parameter index ([BLOCK_Q, BLOCK_LK])
+    and its mask. Indices take the dtype of `b`: int64 when a tensor can pass 2**31 elements."""
     LK: tl.constexpr = NUM_LEVELS * NUM_POINTS
     offs_lk = lk_start + tl.arange(0, BLOCK_LK)
     lk_mask = offs_lk < LK
     level = offs_lk // NUM_POINTS
-    h = tl.load(shapes_ptr + 2 * level, mask=lk_mask, other=0).to(b.dtype)[None, :]
-    w = tl.load(shapes_ptr + 2 * level + 1, mask=lk_mask, other=0).to(b.dtype)[None, :]
-    start = tl.load(starts_ptr + level, mask=lk_mask, other=0).to(b.dtype)[None, :]
-
     mask = (offs_q < num_queries)[:, None] & lk_mask[None, :]
     param = ((b * num_queries + offs_q[:, None]) * num_heads + m) * LK + offs_lk[None, :]
-    attn = tl.load(attn_ptr + param, mask=mask, other=0.0).to(COMPUTE)
-    # x and y interleave, so the two loads share sectors.
-    x = tl.load(loc_ptr + 2 * param, mask=mask, other=0.0).to(tl.float64)
-    y = tl.load(loc_ptr + 2 * param + 1, mask=mask, other=0.0).to(tl.float64)
+    return level, lk_mask, param, mask
 
+
+@triton.jit
+def place_samples(x, y, h, w, mask, COMPUTE: tl.constexpr):
+    """Place loaded locations (x, y) on their level of (h, w) [1, BLOCK_LK] pixels: the top-left
+    corner (x0, y0) in the dtype of h, the fractions (fx, fy), and `touches`, whether the sample
+    reaches the level at all."""
     # grid_sample's align_corners=False convention: pixel centres at integer + 0.5. In float64,
     # x * W - 0.5 is exact for float32 locations, so floor() picks the same cell as an exact
     # computation; in float32 about 1 sample in 1e5 lands in the neighbouring cell at the
     # presets, and the location gradient, which jumps between cells, missed 1e-5 (1.2e-3).
     wf = w.to(tl.float64)
     hf = h.to(tl.float64)
-    x = x * wf - 0.5
-    y = y * hf - 0.5
+    # For float64 locations the product rounds, and the reference rounds it before subtracting.
+    # An FMA of x * W - 0.5 would not, and on a pixel border (a kink of the bilinear weights)
+    # could pick the other cell and the other one-sided location gradient. `+ 0.0` keeps the
+    # product rounded: contracted or not, it is the rounded product (an FMA with a zero addend).
+    x = (x.to(tl.float64) * wf + 0.0) - 0.5
+    y = (y.to(tl.float64) * hf + 0.0) - 0.5
     # NaN compares false: a non-finite location touches nothing, and is zeroed before the
     # float-to-int conversion below, which is undefined for NaN, inf and huge values.
     touches = mask & (x > -1.0) & (x < wf) & (y > -1.0) & (y < hf)
@@ -65,7 +66,7 @@ def load_samples(
     y0f = tl.floor(y)
     fx = (x - x0f).to(COMPUTE)
     fy = (y - y0f).to(COMPUTE)
-    return param, mask, attn, h, w, start, x0f.to(b.dtype), y0f.to(b.dtype), fx, fy, touches
+    return x0f.to(h.dtype), y0f.to(h.dtype), fx, fy, touches
 
 
 @triton.jit
