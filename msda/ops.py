@@ -128,7 +128,10 @@ def backward(
     attention_weights: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
     check_backward_args(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
-    if not uses_triton(value.device):
+    # The kernel's atomic adds sum grad_value in whatever order they land, so its last bits vary
+    # run to run. Under torch.use_deterministic_algorithms(True) the pure-PyTorch backward runs
+    # instead: its index_add is deterministic in that mode (sorted on CUDA), bitwise run to run.
+    if not uses_triton(value.device) or torch.are_deterministic_algorithms_enabled():
         return torch_impl.backward(
             grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights
         )

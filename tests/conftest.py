@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
@@ -18,3 +19,12 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 settings.register_profile("default", deadline=None, max_examples=25, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("thorough", deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+@pytest.fixture
+def deterministic_algorithms():
+    """torch.use_deterministic_algorithms(True) for one test."""
+    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
