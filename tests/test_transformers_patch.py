@@ -106,13 +106,19 @@ def test_patch_matches_each_models_kernel_layer(model_file):
 def test_layer_loads_transformers_multiscale_deformable_attention_state_dict():
     """transformers' DeformableDetrMultiscaleDeformableAttention is an upstream MSDeformAttn
     (same parameter names and shapes): its state_dict loads into msda's layer, same outputs."""
-    from transformers import DeformableDetrConfig
+    from transformers import DeformableDetrConfig, ResNetConfig
     from transformers.models.deformable_detr.modeling_deformable_detr import (
         DeformableDetrMultiscaleDeformableAttention,
     )
 
     d_model, levels, heads, points = 32, 2, 4, 3
-    config = DeformableDetrConfig(d_model=d_model, num_feature_levels=levels, use_timm_backbone=False)
+    # An explicit backbone config: without one, some transformers releases (5.17) fetch the
+    # default backbone's config from the hub, and the GPU machine has no network.
+    backbone = ResNetConfig(out_features=["stage3", "stage4"])
+    config = DeformableDetrConfig(
+        backbone_config=backbone, d_model=d_model, num_feature_levels=levels, use_timm_backbone=False,
+        use_pretrained_backbone=False,
+    )
     torch.manual_seed(0)
     upstream = DeformableDetrMultiscaleDeformableAttention(config, num_heads=heads, n_points=points)
     for p in upstream.parameters():  # random weights: the default init makes offsets too regular
