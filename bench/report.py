@@ -12,6 +12,7 @@ import json
 import math
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -311,6 +312,7 @@ def write_plot(results: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     on_gpu = results["config"]["device"].startswith("cuda")
     rows = [r for r in results["rows"] if r["status"] == "ok" and r["time_us"] and r["time_us"] > 0]
@@ -337,6 +339,7 @@ def write_plot(results: dict, path: Path) -> None:
             ax.set_yticks([i + 0.4 - height / 2 for i in range(len(variants))], variants)
             ax.invert_yaxis()
             ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(NullFormatter())  # labelled minor ticks overlap on short axes
             ax.set_xlabel("device time, µs (profiler)" if on_gpu else "time, µs (torch.utils.benchmark)")
             ax.set_title(f"{preset} · {p}")
             ax.grid(axis="x", which="both", alpha=0.3)
@@ -406,3 +409,22 @@ def validate(results: dict) -> list[str]:
             if not isinstance(value, (float, str)):
                 problems.append(f"row {i} error {name!r} is {type(value).__name__}")
     return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m bench.report RESULTS_JSON [--out DIR]: render results.md and results.png again
+    from a results.json (a run stopped early, or one whose report code has changed)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("results", type=Path)
+    parser.add_argument("--out", type=Path, help="default: the JSON's folder")
+    opts = parser.parse_args(argv)
+    results = json.loads(opts.results.read_text())
+    for path in write_all(results, opts.out or opts.results.parent):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

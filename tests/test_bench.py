@@ -140,6 +140,13 @@ def test_ratios_use_the_fastest_baseline_within_tolerance():
     assert rows[1]["ratio"] == 0.5 and rows[3]["ratio"] == 4.0
 
 
+def test_op_rows_are_judged_against_the_bound_and_block_rows_are_not():
+    errors = {"output": 2e-5}
+    assert bench_run.judge_errors("op", torch.float32, errors) == (TOLERANCE[torch.float32], False)
+    assert bench_run.judge_errors("op", torch.float16, errors) == (TOLERANCE[torch.float16], True)
+    assert bench_run.judge_errors("block", torch.float32, errors) == (None, None)
+
+
 def test_validate_reports_schema_problems():
     assert "missing top-level key 'rows'" in report.validate({})
     results = {"schema": 1, "machine": {"gpu": None, "torch": "x", "triton": None, "clocks": None, "cpu": "c",
@@ -187,3 +194,11 @@ def test_smoke_preset_end_to_end(tmp_path):
         assert rows[peer, "forward"]["note"] or rows[peer, "forward"]["status"] == "ok"
     markdown = (out / "results.md").read_text()
     assert "| msda | forward |" in markdown and "err ∂loc/∂ref" in markdown
+
+    # python -m bench.report renders the markdown and the plot again from the JSON alone.
+    again = tmp_path / "again"
+    proc = subprocess.run([sys.executable, "-m", "bench.report", str(out / "results.json"), "--out", str(again)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (again / "results.md").read_text() == markdown
+    assert (again / "results.png").stat().st_size > 0
