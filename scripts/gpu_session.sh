@@ -21,6 +21,10 @@ pytest_log() {  # pytest_log NAME PATHS...: one pytest process, its output in $o
   python3 -m pytest "$@" -q -rfEs --durations=10 --timeout=300 -p no:cacheprovider >"$out/$name.log" 2>&1
 }
 
+sanitize() {  # memcheck over the Triton kernels' edge shapes; nonzero exit on any error
+  compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize.py
+}
+
 tier() {
   local pids=() names=(gpu_bad_input gpu_graphs gpu_numerics rest sanitize) i s=0
   pytest_log gpu_bad_input tests/gpu/test_gpu_bad_input.py & pids+=($!)
@@ -28,7 +32,7 @@ tier() {
   pytest_log gpu_numerics tests/gpu/test_gpu_numerics.py tests/gpu/test_gpu_opcheck.py tests/gpu/test_gpu_streams.py \
     tests/gpu/test_gpu_two_devices.py tests/gpu/test_gpu_transformers.py & pids+=($!)
   pytest_log rest tests --ignore=tests/gpu -n 6 & pids+=($!)  # the rest: the README command covers it too
-  compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize.py >"$out/sanitize.log" 2>&1 & pids+=($!)
+  sanitize >"$out/sanitize.log" 2>&1 & pids+=($!)
   for i in "${!pids[@]}"; do
     wait "${pids[$i]}"; local rc=$?
     echo "== ${names[$i]} exit $rc: $(grep -E '(passed|failed|error|summary)' "$out/${names[$i]}.log" | tail -1)"
@@ -42,7 +46,7 @@ for part in "${@:-tier bench}"; do
     tier) tier; s=$? ;;
     tests*) path=${part#tests}; path=${path#:}
             python3 -m pytest ${path:-tests} -q -rfE -p no:cacheprovider 2>&1 | tee "$out/gpu_tier.log"; s=${PIPESTATUS[0]} ;;
-    sanitize) compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize.py 2>&1 | tee "$out/sanitize.log"; s=${PIPESTATUS[0]} ;;
+    sanitize) sanitize 2>&1 | tee "$out/sanitize.log"; s=${PIPESTATUS[0]} ;;
     tune) python3 -m bench.tune 2>&1 | tee "$out/tune.log"; s=${PIPESTATUS[0]} ;;
     bench) python3 -m bench --out "$out/bench" 2>&1 | tee "$out/bench.log"; s=${PIPESTATUS[0]} ;;
     mod:*) python3 -m ${part#mod:} 2>&1 | tee -a "$out/extra.log"; s=${PIPESTATUS[0]} ;;
