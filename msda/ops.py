@@ -94,7 +94,7 @@ def forward(
     out = value.new_empty((B, Q, M * D))
     # int() specializes the per-model constants L, K, D under dynamic shapes; B, Q, S stay symbolic.
     compute = _compute_dtype(value, sampling_locations, attention_weights)
-    config = forward_launch_config(int(L), int(K), int(D), float64=compute == tl.float64)
+    config = forward_launch_config(int(L), int(K), int(D), value.element_size(), float64=compute == tl.float64)
     grid = (triton.cdiv(Q, config["BLOCK_Q"]) * B * M,)
     if out.numel() > 0:
         with _on_device(value.device):

@@ -110,7 +110,7 @@ def main() -> int:
         forward, backward = signatures(value, loc, accumulator, shapes)
         constants = dict(NUM_LEVELS=levels, NUM_POINTS=points, COMPUTE=compute, INDEX_64=index_64)
         for kernel, signature, config in (
-            (msda_forward_kernel, forward, forward_launch_config(levels, points, head_dim, name == "float64")),
+            (msda_forward_kernel, forward, forward_launch_config(levels, points, head_dim, TORCH_DTYPES[value].itemsize, name == "float64")),
             (msda_backward_kernel, backward, backward_launch_config(levels, points, head_dim)),
         ):
             try:

@@ -25,6 +25,13 @@ def test_kernels_compile_for_hopper():
 
 def test_float64_forward_runs_one_query_per_program():
     """The rule that keeps triton 3.6 compiling float64 (gradcheck) tiles."""
-    assert forward_launch_config(4, 4, 32, float64=True)["BLOCK_Q"] == 1
-    assert forward_launch_config(4, 4, 32, float64=True)["BLOCK_LK"] == 1
-    assert forward_launch_config(4, 4, 32)["BLOCK_Q"] == 32
+    assert forward_launch_config(4, 4, 32, 8, float64=True)["BLOCK_Q"] == 1
+    assert forward_launch_config(4, 4, 32, 4, float64=True)["BLOCK_LK"] == 1  # float32 values, float64 locations
+
+
+def test_forward_gathers_16_bytes_per_thread():
+    """The forward's tile: one 16-byte load per thread per corner, whatever the value dtype."""
+    for element_size, queries in ((4, 16), (2, 32)):
+        config = forward_launch_config(4, 4, 32, element_size)
+        assert (config["BLOCK_Q"], config["BLOCK_LK"], config["num_warps"]) == (queries, 1, 4)
+        assert config["BLOCK_Q"] * config["BLOCK_LK"] * config["BLOCK_D"] * element_size == 16 * 32 * 4

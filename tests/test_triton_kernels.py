@@ -64,7 +64,7 @@ def test_int64_indices(monkeypatch):
 def test_forward_in_sample_steps(monkeypatch, max_block_lk):
     """The forward walks L*K in steps of BLOCK_LK samples; a step that does not divide L*K masks."""
     monkeypatch.setattr(forward_kernel, "FORWARD_MAX_BLOCK_LK", max_block_lk)
-    monkeypatch.setattr(forward_kernel, "FORWARD_TILE_ELEMENTS", 64)
+    monkeypatch.setattr(forward_kernel, "FORWARD_TILE_BYTES", 256)
     check(make_inputs(SHAPE, torch.float32, DEVICE, outside_fraction=0.25, seed=25))
 
 

@@ -77,16 +77,19 @@ def msda_forward_kernel(
 
 # Launch heuristic, fixed rather than autotuned: autotuning keyed on the query count would re-tune
 # at every image size, and under torch.compile a tuned config can leak across shapes. One sample
-# per step over 32 queries (a [32, 1, D] gather per corner, 1024 elements at D = 32) and 4 warps
-# won every preset and dtype of the H200 sweep in bench/NOTES.md but the float32 decoder, where
-# all L*K samples at once over 8 queries ran 14.1 us against 15.2 (and 345 us against 306 at the
-# encoder). The heuristic reads only L, K and D, so no image size changes it.
-FORWARD_TILE_ELEMENTS = 1024
+# per step, 4 warps, and as many queries as make each corner's gather 2 KB: one 16-byte vector
+# load per thread (16 queries at D = 32 in float32, 32 in float16/bfloat16). That won every preset
+# and dtype of the H200 sweeps in bench/NOTES.md (entries 7 and 11): a thread loading 8 or 32
+# bytes instead ran up to 1.5x slower. The heuristic reads only L, K, D and the value dtype, so no
+# image size changes it.
+FORWARD_TILE_BYTES = 2048  # of value rows per corner per step
 FORWARD_MAX_BLOCK_LK = 1  # samples per step
 FORWARD_NUM_WARPS = 4
 
 
-def forward_launch_config(num_levels: int, num_points: int, head_dim: int, float64: bool = False) -> dict[str, int]:
+def forward_launch_config(
+    num_levels: int, num_points: int, head_dim: int, value_element_size: int, float64: bool = False
+) -> dict[str, int]:
     if float64:
         # gradcheck's dtype, not a fast path: one query and one sample per step. triton 3.6
         # failed to compile 8-byte tiles of exactly 16 sample rows (a layout pass on the sample
@@ -95,6 +98,6 @@ def forward_launch_config(num_levels: int, num_points: int, head_dim: int, float
         block_q, block_lk, block_d = tile_sizes(num_levels, num_points, head_dim, 1, max_block_lk=1)
     else:
         block_q, block_lk, block_d = tile_sizes(
-            num_levels, num_points, head_dim, FORWARD_TILE_ELEMENTS, FORWARD_MAX_BLOCK_LK
+            num_levels, num_points, head_dim, FORWARD_TILE_BYTES // value_element_size, FORWARD_MAX_BLOCK_LK
         )
     return dict(BLOCK_Q=block_q, BLOCK_LK=block_lk, BLOCK_D=block_d, num_warps=FORWARD_NUM_WARPS)
