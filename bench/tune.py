@@ -1,7 +1,7 @@
 """Sweep the kernels' launch heuristics at the BENCHMARKING.md presets.
 
     python -m bench.tune [--presets decoder encoder] [--dtypes float32 float16 bfloat16]
-                         [--kernels fwd bwd] [--forward 2048,4,1 1024,2,1 ...]
+                         [--kernels fwd bwd] [--forward 2048,4,1 1024,2,1 ...] [--backward 1024,4 ...]
 
 Device time by CUDA-graph replay of the operator calls (uniform locations), one line per
 (kernel, preset, dtype, variant), and the peer deformops beside it when importable. Used to
@@ -76,6 +76,14 @@ def main() -> None:
         metavar="BYTES,WARPS,SAMPLES",
         help="forward variants to time (default: FORWARD_SWEEP)",
     )
+    parser.add_argument(
+        "--backward",
+        nargs="+",
+        type=lambda v: tuple(int(n) for n in v.split(",")),
+        default=BACKWARD_SWEEP,
+        metavar="ELEMENTS,WARPS",
+        help="backward variants to time (default: BACKWARD_SWEEP)",
+    )
     opts = parser.parse_args()
 
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
@@ -92,13 +100,13 @@ def main() -> None:
                 run = lambda: torch.ops.msda.forward(*args)  # noqa: E731
                 # Both timers: the issue's floor is judged on the profiler's number.
                 print(f"fwd {cell} {variant}  graph {graph_device_time(run)}  profiler {profiler_device_time(run)}")
-            for variant in BACKWARD_SWEEP if "bwd" in opts.kernels else []:
+            for variant in opts.backward if "bwd" in opts.kernels else []:
                 _configure_backward(*variant)
                 t = graph_device_time(lambda: torch.ops.msda.backward(grad, *args), calls=10, replays=5)
                 print(f"bwd {cell} {variant}  {t}")
             backward = "bwd" in opts.kernels
             if backward:
-                _configure_backward(*BACKWARD_SWEEP[0])
+                _configure_backward(*opts.backward[0])
                 # The profiler, not graph replay: autograd's backward waits on the stream its
                 # forward ran on, which a capture on a side stream may not depend on.
                 t = profiler_device_time(_autograd_backward(msda.multi_scale_deformable_attention, args, grad), 10, 3)

@@ -87,7 +87,11 @@ def corner(
     DY: tl.constexpr,
 ):
     """One bilinear corner: its value row, whether it is inside, its weight and the weight's
-    derivatives in x_im and y_im (all zero where it is outside)."""
+    derivatives in x_im and y_im. Where the corner is outside, the weights are finite but not
+    zero: every use multiplies them by a value row loaded (or scattered) under `inside`, which
+    makes the product zero, or NaN for non-finite operands either way. (Zeroing them with
+    tl.where crashed triton 3.6's layout pass on forward tiles of 16 x 1 samples with 64-bit
+    indices: the float32 preset beyond 2**31 elements.)"""
     xi = x0 + DX
     yi = y0 + DY
     pixel = start + yi * w + xi
@@ -107,10 +111,7 @@ def corner(
     else:
         wy = 1.0 - fy
         dwy = -1.0
-    weight = tl.where(inside, wx * wy, 0.0)
-    dweight_dx = tl.where(inside, dwx * wy, 0.0)
-    dweight_dy = tl.where(inside, dwy * wx, 0.0)
-    return row, inside, weight, dweight_dx, dweight_dy
+    return row, inside, wx * wy, dwx * wy, dwy * wx
 
 
 def tile_sizes(
