@@ -118,6 +118,10 @@ def header_lines(results: dict) -> list[str]:
                  f"device {c['device']}; torch.compile backend {c['compile_backend']}; {m['date']}")
     if results.get("copy_bandwidth_GBps"):
         lines.append(f"copy bandwidth (read + write, measured): {results['copy_bandwidth_GBps']:.0f} GB/s")
+    for source in results.get("sources", []):  # a merge of runs (see merge())
+        bandwidth = source["copy_bandwidth_GBps"]
+        lines.append(f"cells {', '.join(source['cells'])}: {source['label']} ({source['date']}"
+                     + (f", copy bandwidth {bandwidth:.0f} GB/s)" if bandwidth else ")"))
     return lines
 
 
@@ -362,6 +366,30 @@ def write_all(results: dict, out: Path) -> list[Path]:
     return paths
 
 
+# --- Merging runs ------------------------------------------------------------------------------
+
+
+def merge(runs: list[dict], labels: list[str]) -> dict:
+    """One results dict from runs on one machine: a later run's cells replace an earlier run's,
+    and `sources` says which run (label, date, copy bandwidth) each cell comes from. Ratios and
+    floor fractions stay those of their own run: compare rows of one cell, not across cells."""
+    latest = {cell: i for i, run in enumerate(runs) for cell in cells(run)}
+    order = list(dict.fromkeys(cell for run in runs for cell in cells(run)))
+    merged = {**runs[-1], "copy_bandwidth_GBps": None, "complete": all(r.get("complete") for r in runs),
+              "elapsed_s": float(sum(r["elapsed_s"] for r in runs))}
+    merged["config"] = {**runs[-1]["config"],
+                        "presets": list(dict.fromkeys(p for r in runs for p in r["config"]["presets"])),
+                        "dtypes": list(dict.fromkeys(d for r in runs for d in r["config"]["dtypes"]))}
+    merged["rows"] = [row for cell in order for row in _rows_of(runs[latest[cell]], cell)]
+    merged["sources"] = [
+        {"label": label, "date": run["machine"]["date"], "copy_bandwidth_GBps": run.get("copy_bandwidth_GBps"),
+         "cells": [" · ".join(cell) for cell in order if latest[cell] == i]}
+        for i, (run, label) in enumerate(zip(runs, labels))
+        if any(latest[cell] == i for cell in order)
+    ]
+    return merged
+
+
 # --- Schema ------------------------------------------------------------------------------------
 
 TOP_KEYS = {"schema": int, "machine": dict, "config": dict, "copy_bandwidth_GBps": (float, type(None)),
@@ -412,16 +440,27 @@ def validate(results: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m bench.report RESULTS_JSON [--out DIR]: render results.md and results.png again
-    from a results.json (a run stopped early, or one whose report code has changed)."""
+    """python -m bench.report RESULTS_JSON [MORE_JSON ...] [--labels ...] [--out DIR]: render
+    results.md and results.png again from a results.json (a run stopped early, or one whose report
+    code has changed); given several, merge them into one results.json first, a later run's cells
+    replacing an earlier's."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("results", type=Path)
-    parser.add_argument("--out", type=Path, help="default: the JSON's folder")
+    parser.add_argument("results", type=Path, nargs="+")
+    parser.add_argument("--labels", nargs="+", help="one per results file, e.g. the commit it ran (default: file names)")
+    parser.add_argument("--out", type=Path, help="default: the first JSON's folder")
     opts = parser.parse_args(argv)
-    results = json.loads(opts.results.read_text())
-    for path in write_all(results, opts.out or opts.results.parent):
+    runs = [json.loads(path.read_text()) for path in opts.results]
+    labels = opts.labels or [str(path) for path in opts.results]
+    if len(labels) != len(runs):
+        parser.error(f"{len(runs)} results files but {len(labels)} labels")
+    results = runs[0] if len(runs) == 1 else merge(runs, labels)
+    problems = validate(results)
+    if problems:
+        parser.error("invalid results: " + "; ".join(problems[:5]))
+    out = opts.out or opts.results[0].parent
+    for path in write_all(results, out):
         print(f"wrote {path}")
     return 0
 

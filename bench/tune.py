@@ -55,6 +55,10 @@ def _autograd_backward(forward, args, grad):
     return lambda: torch.autograd.grad(out, (value, loc, attn), grad, retain_graph=True)
 
 
+def _comma_ints(text: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in text.split(","))
+
+
 def _deformops():
     try:
         importlib.import_module("deformops.registry.msda")
@@ -71,7 +75,7 @@ def main() -> None:
     parser.add_argument(
         "--forward",
         nargs="+",
-        type=lambda v: tuple(int(n) for n in v.split(",")),
+        type=_comma_ints,
         default=FORWARD_SWEEP,
         metavar="BYTES,WARPS,SAMPLES",
         help="forward variants to time (default: FORWARD_SWEEP)",
@@ -79,7 +83,7 @@ def main() -> None:
     parser.add_argument(
         "--backward",
         nargs="+",
-        type=lambda v: tuple(int(n) for n in v.split(",")),
+        type=_comma_ints,
         default=BACKWARD_SWEEP,
         metavar="ELEMENTS,WARPS",
         help="backward variants to time (default: BACKWARD_SWEEP)",

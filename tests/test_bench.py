@@ -159,6 +159,30 @@ def test_validate_reports_schema_problems():
     assert report.validate({**results, "rows": [{**row, "e2e_us": {"median": 1.0}}]})
 
 
+def test_merge_takes_each_cell_from_the_latest_run_that_has_it():
+    def run(date, cells, bandwidth):
+        rows = [bench_run._row({"preset": p, "dtype": d, "dist": "uniform"}, VARIANTS[0], "forward", "ok", date)
+                for p, d in cells]
+        machine = {"gpu": "g", "torch": "x", "triton": "t", "clocks": None, "cpu": "c", "peers": {}, "date": date,
+                   "threads": 1, "python": "3", "cuda": "13", "msda": "0", "msda_backend": "auto"}
+        config = {"presets": sorted({p for p, _ in cells}), "dtypes": sorted({d for _, d in cells}),
+                  "dists": ["uniform"], "device": "cuda:0", "compile_backend": "inductor"}
+        return {"schema": 1, "machine": machine, "config": config,
+                "copy_bandwidth_GBps": bandwidth, "rows": rows, "complete": True, "elapsed_s": 2.0}
+
+    old = run("monday", [("decoder", "float32"), ("decoder", "float16"), ("encoder", "float32")], 4100.0)
+    new = run("tuesday", [("encoder", "float32")], 4200.0)
+    merged = report.merge([old, new], ["a", "b"])
+    assert report.validate(merged) == []
+    assert [(r["preset"], r["dtype"], r["note"]) for r in merged["rows"]] == [
+        ("decoder", "float32", "monday"), ("decoder", "float16", "monday"), ("encoder", "float32", "tuesday")]
+    assert [(s["label"], s["cells"]) for s in merged["sources"]] == [
+        ("a", ["decoder · float32 · uniform", "decoder · float16 · uniform"]), ("b", ["encoder · float32 · uniform"])]
+    assert merged["copy_bandwidth_GBps"] is None and merged["elapsed_s"] == 4.0
+    assert merged["config"]["presets"] == ["decoder", "encoder"]
+    assert "cells encoder · float32 · uniform: b (tuesday, copy bandwidth 4200 GB/s)" in report.header_lines(merged)
+
+
 def test_smoke_preset_end_to_end(tmp_path):
     """The acceptance check of the bench issue: the smoke preset on a CPU writes the three files,
     with eager and compiled rows, the reference rows and the error columns, all correct."""
