@@ -31,7 +31,7 @@ tier() {
   pytest_log gpu_graphs tests/gpu/test_gpu_compile.py tests/gpu/test_gpu_cuda_graphs.py tests/gpu/test_gpu_export.py & pids+=($!)
   pytest_log gpu_numerics tests/gpu/test_gpu_numerics.py tests/gpu/test_gpu_opcheck.py tests/gpu/test_gpu_streams.py \
     tests/gpu/test_gpu_two_devices.py tests/gpu/test_gpu_transformers.py & pids+=($!)
-  # The rest (the README command covers it too). Its compile check builds 80 kernels on the CPU:
+  # The rest (the README command covers it too). Its compile check builds 96 kernels on the CPU:
   # past 300 s while the other groups compile beside it.
   pytest_log rest tests --ignore=tests/gpu -n 6 --timeout=900 & pids+=($!)
   sanitize >"$out/sanitize.log" 2>&1 & pids+=($!)
