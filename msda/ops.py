@@ -21,13 +21,15 @@ from . import torch_impl
 from .validation import check_backward_args, check_forward_args
 
 try:
-    import triton
-    import triton.language as tl
+    import triton  # noqa: F401
 
-    from .kernels.backward import backward_launch_config, grad_value_accumulator_dtype, msda_backward_kernel
-    from .kernels.forward import forward_launch_config, msda_forward_kernel
+    from .kernels import launch
+    from .kernels.backward import grad_value_accumulator_dtype, msda_backward_kernel
+    from .kernels.forward import msda_forward_kernel
 
     HAS_TRITON = True
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from .kernels import interpreter  # noqa: F401  (fma rounded once, as on a GPU)
 except ImportError:  # the pure-PyTorch path still works everywhere
     HAS_TRITON = False
 
@@ -55,27 +57,11 @@ def uses_triton(device: torch.device) -> bool:
     return True
 
 
-def _dims(value: Tensor, sampling_locations: Tensor) -> tuple[int, ...]:
-    B, S, M, D = value.shape
-    _, Q, _, L, K, _ = sampling_locations.shape
-    return B, S, M, D, Q, L, K
-
-
-def _compute_dtype(*tensors: Tensor):
-    return tl.float64 if torch_impl.compute_dtype(*tensors) == torch.float64 else tl.float32
-
-
 def _on_device(device: torch.device):
     """Launch on the tensors' device, not whichever device is current: a Triton launch targets
     the current device (and its current stream), so cuda:1 tensors with cuda:0 current would
     otherwise hand one device's pointers to the other."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def _needs_int64(*tensors: Tensor) -> bool:
-    """Whether an element offset into any of `tensors` can reach 2**31 (then kernels index in
-    int64; int32 otherwise, which saves registers on every gathered address)."""
-    return any(1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) >= 2**31 for t in tensors)
 
 
 @triton_op("msda::forward", mutates_args=())
@@ -90,31 +76,19 @@ def forward(
     if not uses_triton(value.device):
         return torch_impl.forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
 
-    B, S, M, D, Q, L, K = _dims(value, sampling_locations)
-    out = value.new_empty((B, Q, M * D))
-    # int() specializes the per-model constants L, K, D under dynamic shapes; B, Q, S stay symbolic.
-    compute = _compute_dtype(value, sampling_locations, attention_weights)
-    config = forward_launch_config(int(L), int(K), int(D), value.element_size(), float64=compute == tl.float64)
-    grid = (triton.cdiv(Q, config["BLOCK_Q"]) * B * M,)
+    B, _, M, D = value.shape
+    out = value.new_empty((B, sampling_locations.shape[1], M * D))
     if out.numel() > 0:
+        grid, args, constexprs = launch.forward_call(
+            value.contiguous(),
+            spatial_shapes.contiguous(),
+            level_start_index.contiguous(),
+            sampling_locations.contiguous(),
+            attention_weights.contiguous(),
+            out,
+        )
         with _on_device(value.device):
-            wrap_triton(msda_forward_kernel)[grid](
-                value.contiguous(),
-                spatial_shapes.contiguous(),
-                level_start_index.contiguous(),
-                sampling_locations.contiguous(),
-                attention_weights.contiguous(),
-                out,
-                Q,
-                S,
-                M,
-                D,
-                NUM_LEVELS=int(L),
-                NUM_POINTS=int(K),
-                COMPUTE=compute,
-                INDEX_64=_needs_int64(value, sampling_locations, out),
-                **config,
-            )
+            wrap_triton(msda_forward_kernel)[grid](*args, **constexprs)
     return out
 
 
@@ -136,39 +110,27 @@ def backward(
             grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights
         )
 
-    B, S, M, D, Q, L, K = _dims(value, sampling_locations)
+    B, S, M, D = value.shape
+    _, Q, _, L, K, _ = sampling_locations.shape
     accumulator = grad_value_accumulator_dtype(value.dtype, value.device, Q, S, L, K)
     grad_value = torch.zeros(value.shape, dtype=accumulator, device=value.device)
     # Every element of these two is written by exactly one program: no zeroing needed.
     grad_loc = torch.empty(sampling_locations.shape, dtype=sampling_locations.dtype, device=value.device)
     grad_attn = torch.empty(attention_weights.shape, dtype=attention_weights.dtype, device=value.device)
-    config = backward_launch_config(int(L), int(K), int(D))
-    grid = (triton.cdiv(Q, config["BLOCK_Q"]) * B * M,)
     if grad_attn.numel() > 0:
+        grid, args, constexprs = launch.backward_call(
+            grad_output if grad_output.stride(2) == 1 else grad_output.contiguous(),
+            value.contiguous(),
+            spatial_shapes.contiguous(),
+            level_start_index.contiguous(),
+            sampling_locations.contiguous(),
+            attention_weights.contiguous(),
+            grad_value,
+            grad_loc,
+            grad_attn,
+        )
         with _on_device(value.device):
-            wrap_triton(msda_backward_kernel)[grid](
-                grad_output,
-                grad_output.stride(0),
-                grad_output.stride(1),
-                grad_output.stride(2),
-                value.contiguous(),
-                spatial_shapes.contiguous(),
-                level_start_index.contiguous(),
-                sampling_locations.contiguous(),
-                attention_weights.contiguous(),
-                grad_value,
-                grad_loc,
-                grad_attn,
-                Q,
-                S,
-                M,
-                D,
-                NUM_LEVELS=int(L),
-                NUM_POINTS=int(K),
-                COMPUTE=_compute_dtype(value, sampling_locations, attention_weights),
-                INDEX_64=_needs_int64(value, sampling_locations, grad_output),
-                **config,
-            )
+            wrap_triton(msda_backward_kernel)[grid](*args, **constexprs)
     return grad_value.to(value.dtype), grad_loc, grad_attn
 
 

@@ -1,17 +1,25 @@
-"""Compile both kernels for sm_90 (Hopper) with the installed triton, at the launch configurations
-the operator picks, across dtypes, (L, K, D), index widths and int64 / int32 spatial shapes. No GPU needed: triton's own ptxas
-runs here. Run it without TRITON_INTERPRET (interpreted kernels cannot be compiled).
+"""Compile both kernels for sm_90 (Hopper) with the installed triton, at the launch settings the
+operator picks, across dtypes, (L, K, D), index widths and int64 / int32 spatial shapes. No GPU
+needed: triton's own ptxas runs here. Run it without TRITON_INTERPRET (interpreted kernels cannot
+be compiled).
 
     python scripts/compile_check.py [--full]
 
-Triton's compiler crashed on some tile shapes in one release and not in another (3.6, the H200's,
-failed in a layout pass where 3.9 compiled; bench/NOTES.md): only a compile shows that, never the
-interpreter. Prints each failure and a summary; exits 1 on any failure.
+Triton's compiler has crashed on tile shapes in one release and not in another (bench/NOTES.md,
+entries 2, 8, 10, 12): only a compile shows that, never the interpreter. The kernels' arguments
+come from the same builders the operator launches with (msda/kernels/launch.py), on small CPU
+tensors of each dtype, so the signatures here cannot drift from the kernels'.
 
-It also runs torch.compile's analysis of which arguments each kernel writes (over the kernel's
-TTIR, as functionalization does): it must name the outputs alone. Were it to name an input,
-compiled graphs would clone that input around every launch and copy the clone back over it
-(msda/kernels/sampling.py says how a helper once caused that).
+It also checks:
+- torch.compile's analysis of which arguments each kernel writes (over the kernel's TTIR, as
+  functionalization does): it must name the outputs alone. Were it to name an input, compiled
+  graphs would clone that input around every launch and copy the clone back over it
+  (bench/NOTES.md, entry 9);
+- compile time: models with 8 levels or 8 points sit at L * K = 32 to 64, and a first call
+  that compiles for a minute looks like a hang. Each kernel at L * K = 128 must compile within
+  COMPILE_SECONDS here (a generous bound for a busy two-core machine; about 1 s on one core).
+
+Prints each failure and a summary; exits 1 on any failure.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import argparse
 import itertools
 import os
 import sys
+import time
 from types import SimpleNamespace
 
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -27,66 +36,86 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from msda.kernels.backward import backward_launch_config, msda_backward_kernel  # noqa: E402
-from msda.kernels.forward import forward_launch_config, msda_forward_kernel  # noqa: E402
+from msda.kernels import launch  # noqa: E402
+from msda.kernels.backward import msda_backward_kernel  # noqa: E402
+from msda.kernels.forward import msda_forward_kernel  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
-# value, locations/weights, grad_value accumulator (triton pointer types), compute dtype
+# value, locations/weights and grad_value accumulator dtypes
 DTYPES = {
-    "float32": ("fp32", "fp32", "fp32", tl.float32),
-    "float16": ("fp16", "fp32", "fp16", tl.float32),
-    "bfloat16": ("bf16", "bf16", "fp32", tl.float32),
-    "float64": ("fp64", "fp64", "fp64", tl.float64),
+    "float32": (torch.float32, torch.float32, torch.float32),
+    "float16": (torch.float16, torch.float32, torch.float16),
+    "bfloat16": (torch.bfloat16, torch.bfloat16, torch.float32),
+    "float64": (torch.float64, torch.float64, torch.float64),
 }
-# The preset, and shapes that crashed triton 3.6 (float64 tiles of 16 sample rows; bench/NOTES.md
-# entries 8, 10 and 12).
+# The preset, and shapes that crashed triton 3.6 once (bench/NOTES.md entries 8, 10 and 12).
 QUICK_SHAPES = [(4, 4, 32), (3, 2, 24), (3, 3, 24), (1, 1, 64), (4, 2, 96)]
 FULL_SHAPES = [(L, K, D) for L in (1, 3, 4) for K in (1, 2, 4, 8) for D in (1, 3, 8, 24, 32, 48, 64, 96, 256)]
-
-
-def signatures(value: str, loc: str, accumulator: str, index: str) -> tuple[dict, dict]:
-    ints = {name: "i32" for name in ("num_queries", "num_values", "num_heads", "head_dim")}
-    forward = {"value_ptr": f"*{value}", "shapes_ptr": f"*{index}", "starts_ptr": f"*{index}",
-               "loc_ptr": f"*{loc}", "attn_ptr": f"*{loc}", "out_ptr": f"*{value}", **ints}
-    backward = {"grad_out_ptr": f"*{value}", "grad_out_stride_b": "i32", "grad_out_stride_q": "i32",
-                "grad_out_stride_c": "i32", "value_ptr": f"*{value}", "shapes_ptr": f"*{index}",
-                "starts_ptr": f"*{index}", "loc_ptr": f"*{loc}", "attn_ptr": f"*{loc}", "grad_value_ptr": f"*{accumulator}",
-                "grad_loc_ptr": f"*{loc}", "grad_attn_ptr": f"*{loc}", **ints}
-    return forward, backward
-
-
-def compile_for_hopper(kernel, signature: dict, config: dict, constants: dict, head_dim: int) -> None:
-    constexprs = {**{k: v for k, v in config.items() if k != "num_warps"}, **constants}
-    # Pointers are 16-byte aligned (PyTorch allocations); D is divisible by 16 when it is.
-    divisible = [name for name, kind in signature.items() if kind.startswith("*")]
-    divisible += ["head_dim"] if head_dim % 16 == 0 else []
-    source = ASTSource(
-        kernel,
-        {**signature, **{name: "constexpr" for name in constexprs}},
-        constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()},
-        attrs={(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible},
-    )
-    triton.compile(source, target=HOPPER, options={"num_warps": config["num_warps"]})
-
-
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64,
-                "i32": torch.int32, "i64": torch.int64}
+# L * K = 128 both ways round, float32 and bfloat16 (its packed forward).
+TIMED_SHAPES = [(4, 32, 32), (8, 16, 32)]
+COMPILE_SECONDS = 60.0
+TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
+                torch.int32: "i32", torch.int64: "i64"}
 OUTPUTS = {"msda_forward_kernel": ["out_ptr"],
            "msda_backward_kernel": ["grad_value_ptr", "grad_loc_ptr", "grad_attn_ptr"]}
 
 
-def written_arguments(kernel, signature: dict, config: dict, constants: dict) -> list[str]:
+def kernel_calls(levels: int, points: int, head_dim: int, dtype: str, index_64: bool, index: torch.dtype):
+    """(kernel, positional arguments, constexprs) of the forward and the backward, as the
+    operator builds them, on tiny CPU tensors."""
+    value_dtype, loc_dtype, accumulator = DTYPES[dtype]
+    B, S, M, Q = 1, 3, 2, 2
+    value = torch.zeros(B, S, M, head_dim, dtype=value_dtype)
+    shapes = torch.ones(levels, 2, dtype=index)
+    starts = torch.zeros(levels, dtype=index)
+    loc = torch.zeros(B, Q, M, levels, points, 2, dtype=loc_dtype)
+    attn = torch.zeros(B, Q, M, levels, points, dtype=loc_dtype)
+    out = torch.zeros(B, Q, M * head_dim, dtype=value_dtype)
+    grad_value = torch.zeros(value.shape, dtype=accumulator)
+    calls = [
+        (msda_forward_kernel, *launch.forward_call(value, shapes, starts, loc, attn, out)[1:]),
+        (msda_backward_kernel, *launch.backward_call(
+            out, value, shapes, starts, loc, attn, grad_value, torch.zeros_like(loc), torch.zeros_like(attn)
+        )[1:]),
+    ]  # fmt: skip
+    for _, _, constexprs in calls:
+        constexprs["INDEX_64"] = index_64
+    return calls
+
+
+def signature(kernel, args: tuple, constexprs: dict) -> dict:
+    types = {name: "i32" if isinstance(a, int) else "*" + TRITON_TYPES[a.dtype] for name, a in zip(kernel.arg_names, args)}
+    return {**types, **{name: "constexpr" for name in constexprs if name != "num_warps"}}
+
+
+def compile_for_hopper(kernel, args: tuple, constexprs: dict, timed: bool = False) -> float:
+    """Compile for sm_90 as a launch with these arguments would (16-byte-aligned pointers);
+    returns the seconds it took."""
+    values = {k: v for k, v in constexprs.items() if k != "num_warps"}
+    pointers = [name for name, a in zip(kernel.arg_names, args) if not isinstance(a, int)]
+    source = ASTSource(
+        kernel,
+        signature(kernel, args, constexprs),
+        constexprs={(kernel.arg_names.index(k),): v for k, v in values.items()},
+        attrs={(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointers},
+    )
+    start = time.perf_counter()
+    with triton.knobs.compilation.scope():
+        triton.knobs.compilation.always_compile = timed  # a cached kernel would time nothing
+        triton.compile(source, target=HOPPER, options={"num_warps": constexprs["num_warps"]})
+    return time.perf_counter() - start
+
+
+def written_arguments(kernel, args: tuple, constexprs: dict) -> list[str]:
     """The arguments torch.compile believes `kernel` writes, from its TTIR for sm_90. On an
     analysis error torch assumes every tensor is written: that fails the check too."""
     from torch._higher_order_ops import triton_kernel_wrap
 
-    kwargs = {name: torch.empty(2, dtype=TORCH_DTYPES[kind[1:]]) if kind.startswith("*") else 2
-              for name, kind in signature.items()}
-    kwargs.update(constants, **{k: v for k, v in config.items() if k != "num_warps"})
+    kwargs = dict(zip(kernel.arg_names, args))
+    kwargs.update({k: v for k, v in constexprs.items() if k != "num_warps"})
     driver = triton.runtime.driver
     previous = driver._active  # reset_active() would look for a GPU driver, and there may be none
     driver.set_active(SimpleNamespace(get_current_target=lambda: HOPPER))
@@ -103,31 +132,34 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--full", action="store_true", help="108 (L, K, D) shapes and int64 indices too")
     full = parser.parse_args().full
-    failures = 0
+    failures = checked = 0
     if full:
-        cases = list(itertools.product(FULL_SHAPES, DTYPES.items(), (False, True), ("i64", "i32")))
+        cases = list(itertools.product(FULL_SHAPES, DTYPES, (False, True), (torch.int64, torch.int32)))
     else:  # 64-bit indices at the preset only: its 16 x 1 forward tiles once crashed with them
-        cases = list(itertools.product(QUICK_SHAPES, DTYPES.items(), (False,), ("i64", "i32")))
-        cases += list(itertools.product(QUICK_SHAPES[:1], DTYPES.items(), (True,), ("i64", "i32")))
-    for (levels, points, head_dim), (name, (value, loc, accumulator, compute)), index_64, shapes in cases:
-        forward, backward = signatures(value, loc, accumulator, shapes)
-        constants = dict(NUM_LEVELS=levels, NUM_POINTS=points, COMPUTE=compute, INDEX_64=index_64)
-        for kernel, signature, config in (
-            (msda_forward_kernel, forward,
-             forward_launch_config(levels, points, head_dim, TORCH_DTYPES[value].itemsize, name == "float64")),
-            (msda_backward_kernel, backward, backward_launch_config(levels, points, head_dim)),
-        ):
+        cases = list(itertools.product(QUICK_SHAPES, DTYPES, (False,), (torch.int64, torch.int32)))
+        cases += list(itertools.product(QUICK_SHAPES[:1], DTYPES, (True,), (torch.int64, torch.int32)))
+    timed = list(itertools.product(TIMED_SHAPES, ("float32", "bfloat16"), (False,), (torch.int64,)))
+    for ((levels, points, head_dim), dtype, index_64, index), is_timed in [(c, False) for c in cases] + [
+        (c, True) for c in timed
+    ]:
+        for kernel, args, constexprs in kernel_calls(levels, points, head_dim, dtype, index_64, index):
+            what = f"{kernel.__name__} {dtype} L={levels} K={points} D={head_dim} int64={index_64} shapes={index}"
+            checked += 1
             try:
-                compile_for_hopper(kernel, signature, config, constants, head_dim)
-                written = written_arguments(kernel, signature, config, constants)
+                seconds = compile_for_hopper(kernel, args, constexprs, timed=is_timed)
+                if is_timed:
+                    print(f"compile time {what}: {seconds:.1f} s", flush=True)
+                    if seconds > COMPILE_SECONDS:
+                        raise AssertionError(f"compiled in {seconds:.0f} s, over the {COMPILE_SECONDS:.0f} s bound")
+                    continue
+                written = written_arguments(kernel, args, constexprs)
                 if written != sorted(OUTPUTS[kernel.__name__]):
                     raise AssertionError(f"torch.compile believes it writes {written}")
             except Exception as error:  # report every failing case, not just the first
                 failures += 1
                 first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-                print(f"FAIL {kernel.__name__} {name} L={levels} K={points} D={head_dim} int64={index_64} "
-                      f"shapes={shapes} {config}: {first_line}", flush=True)
-    print(f"triton {triton.__version__}: {2 * len(cases) - failures} of {2 * len(cases)} kernels compiled for sm_90, "
+                print(f"FAIL {what}: {first_line}", flush=True)
+    print(f"triton {triton.__version__}: {checked - failures} of {checked} kernels compiled for sm_90, "
           "torch.compile sees them write their outputs alone")
     return 1 if failures else 0
 

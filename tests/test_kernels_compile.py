@@ -8,7 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from msda.kernels.forward import forward_launch_config
+import torch
+
+from msda.kernels import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,15 +25,12 @@ def test_kernels_compile_for_hopper():
     assert "kernels compiled for sm_90" in result.stdout
 
 
-def test_float64_forward_runs_one_query_per_program():
-    """The rule that keeps triton 3.6 compiling float64 (gradcheck) tiles."""
-    assert forward_launch_config(4, 4, 32, 8, float64=True)["BLOCK_Q"] == 1
-    assert forward_launch_config(4, 4, 32, 4, float64=True)["BLOCK_LK"] == 1  # float32 values, float64 locations
-
-
-def test_forward_gathers_16_bytes_per_thread():
-    """The forward's tile: one 16-byte load per thread per corner, whatever the value dtype."""
-    for element_size, queries in ((4, 16), (2, 32)):
-        config = forward_launch_config(4, 4, 32, element_size)
-        assert (config["BLOCK_Q"], config["BLOCK_LK"], config["num_warps"]) == (queries, 1, 4)
-        assert config["BLOCK_Q"] * config["BLOCK_LK"] * config["BLOCK_D"] * element_size == 16 * 32 * 4
+def test_a_whole_row_per_load_instruction():
+    """The default tiles read each gathered value row with one 16-byte load per thread, a whole
+    row per warp instruction (the L1 serves a row in one wavefront; bench/NOTES.md entry 13)."""
+    for config in (launch.forward_config(4, 4, 32, torch.float32), launch.backward_config(4, 4, 32, torch.float32)):
+        for element_size in (4, 2):
+            c = config.constexprs(32, element_size, 4)
+            threads_per_row = c["CHUNK"] // (16 // element_size)
+            assert threads_per_row * 16 == 32 * element_size and c["BLOCK_D"] == c["CHUNK"]
+            assert c["num_warps"] * 32 == c["BLOCK_Q"] * c["GROUPS"] * threads_per_row

@@ -7,6 +7,7 @@ import torch
 from msda import ops
 from msda.kernels import backward as backward_kernel
 from msda.kernels import forward as forward_kernel
+from msda.kernels import launch
 from msda.testing import Shape, make_inputs
 
 from .helpers import assert_matches_reference, forward_backward, random_like_output
@@ -56,16 +57,45 @@ def test_grad_value_accumulator(dtype):
 
 def test_int64_indices(monkeypatch):
     """The 64-bit index path (taken when a tensor passes 2**31 elements) computes the same."""
-    monkeypatch.setattr(ops, "_needs_int64", lambda *tensors: True)
+    monkeypatch.setattr(launch, "needs_int64", lambda *tensors: True)
     check(make_inputs(SHAPE, torch.float32, DEVICE, outside_fraction=0.25, seed=24))
 
 
-@pytest.mark.parametrize("max_block_lk", [4, 64])
-def test_forward_in_sample_steps(monkeypatch, max_block_lk):
-    """The forward walks L*K in steps of BLOCK_LK samples; a step that does not divide L*K masks."""
-    monkeypatch.setattr(forward_kernel, "FORWARD_MAX_BLOCK_LK", max_block_lk)
-    monkeypatch.setattr(forward_kernel, "FORWARD_TILE_BYTES", 256)
+# Tiles other than the default rule's: several queries per thread group, the points of a level
+# split among groups (K = 2 over 4 groups masks two), a whole row per thread or a warp per row.
+TILES = [
+    launch.TileConfig(block_q=4, groups=2, threads_per_row=1),
+    launch.TileConfig(block_q=2, groups=4, threads_per_row=4),
+    launch.TileConfig(block_q=8, groups=1, threads_per_row=32),
+]
+
+
+@pytest.mark.parametrize("tile", TILES, ids=str)
+def test_launch_settings(monkeypatch, tile):
+    """Every launch setting computes the same, forward and backward."""
+    monkeypatch.setattr(launch, "forward_config", lambda *args: tile)
+    monkeypatch.setattr(launch, "backward_config", lambda *args: tile)
     check(make_inputs(SHAPE, torch.float32, DEVICE, outside_fraction=0.25, seed=25))
+
+
+def test_level_starts_summed_in_kernel():
+    """Without level_start_index the kernels sum the level sizes themselves (the eager path's
+    level_start_index=None): the same output and gradients."""
+    inputs = make_inputs(SHAPE, torch.float32, DEVICE, outside_fraction=0.25, seed=27)
+    grad_output = random_like_output(inputs)
+    value, shapes, starts, loc, attn = inputs.args()
+    outputs = []
+    for given in (starts, None):
+        out = torch.empty_like(grad_output)
+        grid, args, constexprs = launch.forward_call(value, shapes, given, loc, attn, out)
+        forward_kernel.msda_forward_kernel[grid](*args, **constexprs)
+        grads = [torch.zeros_like(value), torch.empty_like(loc), torch.empty_like(attn)]
+        grid, args, constexprs = launch.backward_call(grad_output, value, shapes, given, loc, attn, *grads)
+        backward_kernel.msda_backward_kernel[grid](*args, **constexprs)
+        outputs.append((out, *grads))
+    for with_starts, summed in zip(*outputs):
+        torch.testing.assert_close(summed, with_starts, rtol=0, atol=0)
+    assert_matches_reference(inputs, outputs[1], grad_output)
 
 
 def test_local_distribution():

@@ -1,103 +1,183 @@
-"""The MSDA forward kernel and its launch heuristic."""
+"""The MSDA forward kernel."""
 
 import triton
 import triton.language as tl
 
-from .sampling import corner, place_samples, sample_indices, tile_sizes
+from .sampling import finite_or_nan, level_ok, place_sample
 
 
 @triton.jit
+def _widen(v, COMPUTE: tl.constexpr, PACKED: tl.constexpr):
+    """Loaded value rows in the compute dtype; PACKED: int32 words of two bfloat16 channels,
+    returned as (even channels, odd channels). A bfloat16 is the top half of a float32, so each
+    widens with one integer op (Triton's conversion takes about two)."""
+    if PACKED:
+        return (v << 16).to(tl.float32, bitcast=True), (v & -65536).to(tl.float32, bitcast=True)
+    else:
+        return v.to(COMPUTE), v
+
+
+@triton.jit
+def _sample_level(
+    acc,
+    acc_odd,
+    start,
+    level,
+    value_ptr,
+    shapes_ptr,
+    starts_ptr,
+    loc_ptr,
+    attn_ptr,
+    b,
+    m,
+    first_param,
+    q_ok,
+    group,
+    channel,
+    num_values,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_POINTS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    UNROLL: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    LEVEL_STARTS: tl.constexpr,
+    PACKED: tl.constexpr,
+):
+    """Add the level's samples to `acc` (and `acc_odd`: the odd channels when PACKED); returns
+    them and the next level's first row. HEAD_DIM counts the loaded elements (words if PACKED)."""
+    ROW: tl.constexpr = NUM_HEADS * HEAD_DIM  # elements between horizontally adjacent pixels
+    h = tl.load(shapes_ptr + 2 * level).to(b.dtype)
+    w = tl.load(shapes_ptr + 2 * level + 1).to(b.dtype)
+    if LEVEL_STARTS:
+        start = tl.load(starts_ptr + level).to(b.dtype)
+    usable = level_ok(h, w, start, num_values)
+    level_row = (b * num_values + start) * NUM_HEADS + m
+    d_ok = channel < HEAD_DIM
+    for point_step in tl.range(0, NUM_POINTS, GROUPS * UNROLL):
+        for unrolled in tl.static_range(UNROLL):
+            point = point_step + unrolled * GROUPS + group  # [GROUPS, 1]
+            mask = (point < NUM_POINTS) & q_ok
+            param = first_param + level * NUM_POINTS + point  # [GROUPS, BLOCK_Q]
+            attn = tl.load(attn_ptr + param, mask=mask, other=0.0).to(COMPUTE)
+            # x and y interleave: one 8-byte load for both.
+            xy = tl.load(
+                loc_ptr + 2 * param[:, :, None] + tl.arange(0, 2)[None, None, :], mask=mask[:, :, None], other=0.0
+            )
+            x, y = tl.split(xy)
+            x0, y0, fx, fy, left, right, top, bottom = place_sample(x, y, h, w, usable, mask, COMPUTE)
+            attn = finite_or_nan(attn)
+            attn_top = attn * (1.0 - fy)
+            attn_bottom = attn * fy
+            # Element offset of the top-left corner's row; the others are ROW and w * ROW away.
+            # Where a corner is outside, its offset is unused: every access through it is masked.
+            corner = (level_row + (y0 * w + x0) * NUM_HEADS) * HEAD_DIM
+            corner = corner[:, :, None, None] + channel
+            below = corner + w * ROW
+            v = tl.load(value_ptr + corner, mask=(left & top)[:, :, None, None] & d_ok, other=0)
+            v, v_odd = _widen(v, COMPUTE, PACKED)
+            weight = (attn_top * (1.0 - fx))[:, :, None, None]
+            acc += weight * v
+            if PACKED:
+                acc_odd += weight * v_odd
+            v = tl.load(value_ptr + corner + ROW, mask=(right & top)[:, :, None, None] & d_ok, other=0)
+            v, v_odd = _widen(v, COMPUTE, PACKED)
+            weight = (attn_top * fx)[:, :, None, None]
+            acc += weight * v
+            if PACKED:
+                acc_odd += weight * v_odd
+            v = tl.load(value_ptr + below, mask=(left & bottom)[:, :, None, None] & d_ok, other=0)
+            v, v_odd = _widen(v, COMPUTE, PACKED)
+            weight = (attn_bottom * (1.0 - fx))[:, :, None, None]
+            acc += weight * v
+            if PACKED:
+                acc_odd += weight * v_odd
+            v = tl.load(value_ptr + below + ROW, mask=(right & bottom)[:, :, None, None] & d_ok, other=0)
+            v, v_odd = _widen(v, COMPUTE, PACKED)
+            weight = (attn_bottom * fx)[:, :, None, None]
+            acc += weight * v
+            if PACKED:
+                acc_odd += weight * v_odd
+    return acc, acc_odd, start + h * w
+
+
+# Q and S vary with the image: not specialized (16-divisibility would compile a second program).
+@triton.jit(do_not_specialize=["num_queries", "num_values"])
 def msda_forward_kernel(
     value_ptr,  # (B, S, M, D), contiguous
     shapes_ptr,  # (L, 2) int32/int64
-    starts_ptr,  # (L,) int32/int64
+    starts_ptr,  # (L,) int32/int64, read if LEVEL_STARTS
     loc_ptr,  # (B, Q, M, L, K, 2), contiguous
     attn_ptr,  # (B, Q, M, L, K), contiguous
     out_ptr,  # (B, Q, M * D), contiguous
     num_queries,
     num_values,
-    num_heads,
-    head_dim,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     NUM_LEVELS: tl.constexpr,
     NUM_POINTS: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_LK: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # queries per program
+    GROUPS: tl.constexpr,  # the points of a level are split among this many thread groups
+    UNROLL: tl.constexpr,  # points per group unrolled in one loop step
+    CHUNK: tl.constexpr,  # channels one load of a row covers, across the threads of that row
+    BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two
+    LEVELS_UNROLLED: tl.constexpr,  # unroll the level loop (few samples: loads issue earlier)
     COMPUTE: tl.constexpr,  # tl.float32, or tl.float64 for float64 inputs
     INDEX_64: tl.constexpr,
+    LEVEL_STARTS: tl.constexpr,  # False: level_start_index was not given, sum the level sizes
+    PACKED: tl.constexpr,  # value_ptr holds bfloat16 pairs as int32 words (HEAD_DIM counts words)
 ):
-    # One program: BLOCK_Q queries of one (batch, head). The flat 1-D grid has no 65535 limit
-    # on B * M, and neighbouring programs share a head's value rows.
+    # One program: BLOCK_Q queries of one (batch, head); neighbouring programs take the next
+    # queries of the same head, so the programs that share an SM share that head's value rows
+    # in L1. The flat 1-D grid has no 65535 limit on B * M.
     pid = tl.program_id(0)
     if INDEX_64:  # every index below derives from pid: 64-bit where a tensor passes 2**31 elements
         pid = pid.to(tl.int64)
     num_q_blocks = tl.cdiv(num_queries, BLOCK_Q)
     bm = pid // num_q_blocks
-    b = bm // num_heads
-    m = bm % num_heads
-    offs_q = (pid % num_q_blocks) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = (offs_d < head_dim)[None, None, :]
+    b = bm // NUM_HEADS
+    m = bm % NUM_HEADS
+    q = (pid % num_q_blocks) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    q_ok = (q < num_queries)[None, :]
+    group = tl.arange(0, GROUPS)[:, None]
 
-    # float32 registers whatever the storage dtype; the sample axis is reduced once at the end.
-    acc = tl.zeros([BLOCK_Q, BLOCK_LK, BLOCK_D], dtype=COMPUTE)
-    for lk_start in tl.static_range(0, NUM_LEVELS * NUM_POINTS, BLOCK_LK):
-        level, lk_mask, param, mask = sample_indices(
-            b, m, offs_q, lk_start, num_queries, num_heads, NUM_LEVELS, NUM_POINTS, BLOCK_LK
-        )
-        h = tl.load(shapes_ptr + 2 * level, mask=lk_mask, other=0).to(b.dtype)[None, :]
-        w = tl.load(shapes_ptr + 2 * level + 1, mask=lk_mask, other=0).to(b.dtype)[None, :]
-        start = tl.load(starts_ptr + level, mask=lk_mask, other=0).to(b.dtype)[None, :]
-        attn = tl.load(attn_ptr + param, mask=mask, other=0.0).to(COMPUTE)
-        # x and y interleave, so the two loads share sectors.
-        x = tl.load(loc_ptr + 2 * param, mask=mask, other=0.0)
-        y = tl.load(loc_ptr + 2 * param + 1, mask=mask, other=0.0)
-        x0, y0, fx, fy, touches = place_samples(x, y, h, w, mask, COMPUTE)
-        for DY in tl.static_range(2):
-            for DX in tl.static_range(2):
-                row, inside, weight, _, _ = corner(
-                    x0, y0, fx, fy, h, w, start, touches, b, m, num_values, num_heads, DX, DY
-                )
-                # Each corner is one contiguous D-wide row: a coalesced (vectorized) gather.
-                v = tl.load(
-                    value_ptr + row[:, :, None] * head_dim + offs_d[None, None, :],
-                    mask=inside[:, :, None] & d_mask,
-                    other=0.0,
-                )
-                acc += (attn * weight)[:, :, None] * v.to(COMPUTE)
-    out = tl.sum(acc, axis=1)
+    # The gathered tile is [GROUPS, BLOCK_Q, BLOCK_D // CHUNK, CHUNK]. Triton gives threads to the
+    # contiguous last axis (16 bytes each), then to the groups and queries, and leaves the chunk
+    # axis to each thread's registers: a row is read by CHUNK / vector threads, each holding
+    # BLOCK_D / CHUNK vectors of it.
+    channel = tl.arange(0, BLOCK_D // CHUNK)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+    channel = channel[None, None, :, :]
+    first_param = ((b * num_queries + q[None, :]) * NUM_HEADS + m) * (NUM_LEVELS * NUM_POINTS)  # [1, BLOCK_Q]
 
-    out_row = (b * num_queries + offs_q) * num_heads + m
-    tl.store(
-        out_ptr + out_row[:, None] * head_dim + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=(offs_q < num_queries)[:, None] & (offs_d < head_dim)[None, :],
-    )
-
-
-# Launch heuristic, fixed rather than autotuned: autotuning keyed on the query count would re-tune
-# at every image size, and under torch.compile a tuned config can leak across shapes. One sample
-# per step, 4 warps, and as many queries as make each corner's gather 2 KB: one 16-byte vector
-# load per thread (16 queries at D = 32 in float32, 32 in float16/bfloat16). That won every preset
-# and dtype of the H200 sweeps in bench/NOTES.md (entries 7 and 11): a thread loading 8 or 32
-# bytes instead ran up to 1.5x slower. The heuristic reads only L, K, D and the value dtype, so no
-# image size changes it.
-FORWARD_TILE_BYTES = 2048  # of value rows per corner per step
-FORWARD_MAX_BLOCK_LK = 1  # samples per step
-FORWARD_NUM_WARPS = 4
-
-
-def forward_launch_config(
-    num_levels: int, num_points: int, head_dim: int, value_element_size: int, float64: bool = False
-) -> dict[str, int]:
-    if float64:
-        # gradcheck's dtype, not a fast path: one query and one sample per step. triton 3.6
-        # failed to compile 8-byte tiles of exactly 16 sample rows (a layout pass on the sample
-        # mask): over 2 or more queries at first, then over one query with int32 spatial shapes.
-        # One row per step compiles at every case of scripts/compile_check.py.
-        block_q, block_lk, block_d = tile_sizes(num_levels, num_points, head_dim, 1, max_block_lk=1)
+    acc = tl.zeros([GROUPS, BLOCK_Q, BLOCK_D // CHUNK, CHUNK], dtype=COMPUTE)
+    acc_odd = acc  # the odd channels, when PACKED
+    start = b * 0  # the level's first row, in the index dtype
+    # A loop over levels, unrolled only where there are few samples in all: compile time grows
+    # with the unrolled samples.
+    if LEVELS_UNROLLED:
+        for level in tl.static_range(NUM_LEVELS):
+            acc, acc_odd, start = _sample_level(
+                acc, acc_odd, start, level, value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr, b, m, first_param, q_ok,
+                group, channel, num_values, NUM_HEADS, HEAD_DIM, NUM_POINTS, GROUPS, UNROLL, COMPUTE, LEVEL_STARTS,
+                PACKED,
+            )  # fmt: skip
     else:
-        block_q, block_lk, block_d = tile_sizes(
-            num_levels, num_points, head_dim, FORWARD_TILE_BYTES // value_element_size, FORWARD_MAX_BLOCK_LK
-        )
-    return dict(BLOCK_Q=block_q, BLOCK_LK=block_lk, BLOCK_D=block_d, num_warps=FORWARD_NUM_WARPS)
+        for level in tl.range(0, NUM_LEVELS):
+            acc, acc_odd, start = _sample_level(
+                acc, acc_odd, start, level, value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr, b, m, first_param, q_ok,
+                group, channel, num_values, NUM_HEADS, HEAD_DIM, NUM_POINTS, GROUPS, UNROLL, COMPUTE, LEVEL_STARTS,
+                PACKED,
+            )  # fmt: skip
+
+    out = tl.sum(acc, axis=0)  # [BLOCK_Q, BLOCK_D // CHUNK, CHUNK]
+    out_channel = tl.arange(0, BLOCK_D // CHUNK)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+    CHANNELS: tl.constexpr = 2 * HEAD_DIM if PACKED else HEAD_DIM
+    if PACKED:  # word w holds channels 2w (its low half) and 2w + 1
+        out = tl.interleave(out, tl.sum(acc_odd, axis=0))
+        out_channel = tl.interleave(2 * out_channel, 2 * out_channel + 1)
+    out_row = (b * num_queries + q) * NUM_HEADS + m
+    tl.store(
+        out_ptr + out_row[:, None, None] * CHANNELS + out_channel[None, :, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=(q < num_queries)[:, None, None] & (out_channel < CHANNELS)[None, :, :],
+    )

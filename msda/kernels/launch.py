@@ -1,0 +1,163 @@
+"""How the kernels are called: their grid, arguments and launch settings from the tensors, shared
+by the registered operators (which launch through torch's `wrap_triton`, so that torch.compile
+and export trace them) and the eager fast path (which launches the compiled kernel directly).
+
+Launch settings are explicit (`ForwardConfig`, `BackwardConfig`), chosen by a fixed rule that
+reads only L, K, D and the dtypes: never the image size, so torch.compile(dynamic=True) keeps one
+program across image sizes. bench/tune.py passes its own settings instead.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .backward import msda_backward_kernel
+from .forward import msda_forward_kernel
+
+
+MAX_UNROLL = 4
+
+
+class TileConfig(NamedTuple):
+    """One program: `block_q` queries of one (batch, head); the points of each level split among
+    `groups` thread groups; `threads_per_row` threads read each gathered value row, 16 bytes each
+    per load (0: as many as read the whole row in one load); `num_warps` follows from those."""
+
+    block_q: int
+    groups: int
+    threads_per_row: int
+    unroll_levels: int = 16  # forward: unroll the level loop when L * K is at most this
+
+    def constexprs(self, head_dim: int, element_size: int, num_points: int) -> dict:
+        block_d = triton.next_power_of_2(head_dim)
+        vector = max(1, 16 // element_size)  # elements per 16-byte load
+        threads_per_row = self.threads_per_row or triton.cdiv(block_d, vector)
+        chunk = min(block_d, vector * threads_per_row)
+        groups = min(self.groups, triton.next_power_of_2(num_points))
+        # Up to 4 points per group unrolled, a loop over the rest: compile time stays bounded
+        # in K (and L: levels are a loop too).
+        unroll = min(triton.cdiv(num_points, groups), MAX_UNROLL)
+        threads = self.block_q * groups * max(1, chunk // vector)
+        return dict(
+            BLOCK_Q=self.block_q,
+            GROUPS=groups,
+            UNROLL=unroll,
+            CHUNK=chunk,
+            BLOCK_D=block_d,
+            num_warps=max(1, threads // 32),
+        )
+
+
+def forward_config(num_levels: int, num_points: int, head_dim: int, value_dtype: torch.dtype) -> TileConfig:
+    """The forward's launch rule (bench/NOTES.md, entry 13, has the sweeps behind it): a whole
+    value row per load instruction (fewer threads per row issue fewer instructions but cost
+    the L1 more wavefronts per byte), 16 queries, each level's points split in two groups."""
+    return TileConfig(block_q=16, groups=2, threads_per_row=0)
+
+
+def backward_config(num_levels: int, num_points: int, head_dim: int, value_dtype: torch.dtype) -> TileConfig:
+    """The backward's launch rule (bench/NOTES.md, entry 13): a whole row per load and per atomic
+    (the L2 handles fewer, larger reductions better), 4 queries, points in four groups."""
+    return TileConfig(block_q=4, groups=4, threads_per_row=0)
+
+
+def compute_dtype(*tensors: Tensor):
+    """float64 arithmetic for float64 inputs (gradcheck), float32 for everything else."""
+    return tl.float64 if any(t.dtype == torch.float64 for t in tensors) else tl.float32
+
+
+def needs_int64(*tensors: Tensor) -> bool:
+    """Whether an element offset into any of `tensors` can reach 2**31 (then kernels index in
+    int64; int32 otherwise, which saves registers on every gathered address)."""
+    return any(1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) >= 2**31 for t in tensors)
+
+
+def forward_call(
+    value: Tensor,
+    spatial_shapes: Tensor,
+    level_start_index: Tensor | None,
+    sampling_locations: Tensor,
+    attention_weights: Tensor,
+    out: Tensor,
+    config: TileConfig | None = None,
+) -> tuple[tuple[int], tuple, dict]:
+    """(grid, positional arguments, constexpr arguments) of msda_forward_kernel. The tensors must
+    be contiguous; level_start_index None has the kernel sum the level sizes. int() specializes
+    the per-model constants M, L, K, D under dynamic shapes; B, Q and S stay symbolic."""
+    B, S, M, D = value.shape
+    _, Q, _, L, K, _ = sampling_locations.shape
+    L, K, M, D = int(L), int(K), int(M), int(D)
+    config = config or forward_config(L, K, D, value.dtype)
+    # bfloat16 rows load as int32 words of two channels, widened with integer ops (forward.py).
+    packed = value.dtype == torch.bfloat16 and D % 2 == 0
+    if packed:
+        value, D = value.view(torch.int32), D // 2
+    constexprs = config.constexprs(D, value.element_size(), K)
+    constexprs.update(
+        NUM_HEADS=M,
+        HEAD_DIM=D,
+        NUM_LEVELS=L,
+        NUM_POINTS=K,
+        LEVELS_UNROLLED=L * K <= config.unroll_levels,
+        COMPUTE=compute_dtype(value, sampling_locations, attention_weights),
+        INDEX_64=needs_int64(value, sampling_locations, out),
+        LEVEL_STARTS=level_start_index is not None,
+        PACKED=packed,
+    )
+    grid = (triton.cdiv(Q, constexprs["BLOCK_Q"]) * B * M,)
+    starts = spatial_shapes if level_start_index is None else level_start_index  # unread if None
+    args = (value, spatial_shapes, starts, sampling_locations, attention_weights, out, Q, S)
+    return grid, args, constexprs
+
+
+def backward_call(
+    grad_output: Tensor,
+    value: Tensor,
+    spatial_shapes: Tensor,
+    level_start_index: Tensor | None,
+    sampling_locations: Tensor,
+    attention_weights: Tensor,
+    grad_value: Tensor,
+    grad_loc: Tensor,
+    grad_attn: Tensor,
+    config: TileConfig | None = None,
+) -> tuple[tuple[int], tuple, dict]:
+    """(grid, positional arguments, constexpr arguments) of msda_backward_kernel; grad_output's
+    channels must be contiguous (its other strides may be anything, 0 included), the other
+    tensors contiguous, grad_value zeroed."""
+    B, S, M, D = value.shape
+    _, Q, _, L, K, _ = sampling_locations.shape
+    L, K, M, D = int(L), int(K), int(M), int(D)
+    config = config or backward_config(L, K, D, value.dtype)
+    constexprs = config.constexprs(D, value.element_size(), K)
+    constexprs.update(
+        NUM_HEADS=M,
+        HEAD_DIM=D,
+        NUM_LEVELS=L,
+        NUM_POINTS=K,
+        COMPUTE=compute_dtype(value, sampling_locations, attention_weights),
+        INDEX_64=needs_int64(value, sampling_locations, grad_output),
+        LEVEL_STARTS=level_start_index is not None,
+    )
+    grid = (triton.cdiv(Q, constexprs["BLOCK_Q"]) * B * M,)
+    args = (
+        grad_output,
+        grad_output.stride(0),
+        grad_output.stride(1),
+        value,
+        spatial_shapes,
+        spatial_shapes if level_start_index is None else level_start_index,  # unread if None
+        sampling_locations,
+        attention_weights,
+        grad_value,
+        grad_loc,
+        grad_attn,
+        Q,
+        S,
+    )
+    return grid, args, constexprs
