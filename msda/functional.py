@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import eager
 from .validation import check_tensor
 
 
@@ -39,6 +40,11 @@ def multi_scale_deformable_attention(
     Raises:
         TypeError, ValueError: naming the argument, for any call outside this contract.
     """
+    if eager.eligible(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+        # Eager CUDA call: the same kernels without the operator's dispatch cost (msda/eager.py).
+        return eager.differentiable_forward(
+            value, spatial_shapes, level_start_index, sampling_locations, attention_weights
+        )
     if level_start_index is None:
         level_start_index = level_start_index_from_shapes(spatial_shapes)
     # The dispatcher rejects a non-tensor (a list, a nested tensor) with its own RuntimeError or

@@ -1,0 +1,212 @@
+"""The eager fast path: what an eager call on CUDA tensors costs beyond its kernels.
+
+Calling the registered operator costs ~100 us of Python per call before the kernel starts
+(torch's custom-op dispatch, the autograd wrapper, the Triton JIT's argument binding;
+bench/NOTES.md has the profile), more than the decoder's forward kernel takes. In eager mode,
+on plain CUDA tensors with nothing tracing them, the functional form, the layer and the
+drop-ins call `forward` / `backward` here instead, which check the arguments and launch the
+compiled kernels directly (msda/kernels/direct.py), with a `torch.autograd.Function` for
+gradients. Everything else (torch.compile, export, fake tensors, torch.func transforms,
+forward-mode AD, CPU) goes through `torch.ops.msda.*`, the same kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import ops, validation
+
+if ops.HAS_TRITON:
+    from .kernels import launch
+    from .kernels.backward import grad_value_accumulator_dtype, msda_backward_kernel
+    from .kernels.direct import DirectLauncher
+    from .kernels.forward import msda_forward_kernel
+
+    _forward_kernel = DirectLauncher(msda_forward_kernel)
+    _backward_kernel = DirectLauncher(msda_backward_kernel)
+
+_FLOATS = frozenset(validation.FLOAT_DTYPES)
+_INDICES = frozenset(validation.INDEX_DTYPES)
+
+
+def eligible(value: Tensor, *tensors: Tensor | None) -> bool:
+    """Whether a call on these tensors may skip the registered operator: plain CUDA tensors
+    (not fake, functional or batched), nothing compiling or tracing, no forward-mode AD."""
+    return (
+        ops.HAS_TRITON
+        and type(value) is Tensor
+        and value.is_cuda
+        and ops.BACKEND != "torch"
+        and all(type(t) is Tensor for t in tensors if t is not None)
+        and not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and torch._C._functorch.peek_interpreter_stack() is None
+        and torch.autograd.forward_ad._current_level < 0
+    )
+
+
+def _check(value, spatial_shapes, level_start_index, sampling_locations, attention_weights) -> None:
+    """The operator's metadata checks, in the few comparisons a valid call needs; anything
+    unusual runs the full checks, which raise the operator's error."""
+    v, loc, attn, shapes = value, sampling_locations, attention_weights, spatial_shapes
+    device = v.device
+    ok = (
+        v.dim() == 4
+        and loc.dim() == 6
+        and v.dtype in _FLOATS
+        and loc.dtype in _FLOATS
+        and attn.dtype in _FLOATS
+        and shapes.dtype in _INDICES
+        and v.layout == loc.layout == attn.layout == shapes.layout == torch.strided
+        and loc.shape[0] == v.shape[0]
+        and loc.shape[2] == v.shape[2]
+        and loc.shape[5] == 2
+        and attn.shape == loc.shape[:5]
+        and shapes.shape == (loc.shape[3], 2)
+        and 0 not in loc.shape[2:5]
+        and v.shape[3] > 0
+        and loc.device == device
+        and attn.device == device
+        and shapes.device == device
+    )
+    if level_start_index is not None:
+        ok = ok and (
+            level_start_index.dtype in _INDICES
+            and level_start_index.layout == torch.strided
+            and level_start_index.shape == (loc.shape[3],)
+            and level_start_index.device == device
+        )
+    if not ok:
+        starts = level_start_index
+        if starts is None:
+            validation.check_tensor("spatial_shapes", spatial_shapes)
+            starts = torch.zeros(spatial_shapes.shape[:1], dtype=torch.int64, device=spatial_shapes.device)
+        validation.check_forward_args(value, spatial_shapes, starts, sampling_locations, attention_weights)
+        raise AssertionError("msda: the fast argument check and the operator's disagree")  # unreachable
+
+
+def _contiguous(*tensors: Tensor | None):
+    return tuple(t if t is None or t.is_contiguous() else t.contiguous() for t in tensors)
+
+
+def _device_guard(device: torch.device):
+    """The current device must be the tensors' for a launch (see ops._on_device)."""
+    return None if device.index == torch.cuda.current_device() else torch.cuda.device(device)
+
+
+def _launch(launcher, grid, args, constexprs, device) -> None:
+    guard = _device_guard(device)
+    if guard is None:
+        launcher(grid, args, constexprs, device)
+    else:
+        with guard:
+            launcher(grid, args, constexprs, device)
+
+
+def launch_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights) -> Tensor:
+    """The forward kernel on checked CUDA tensors (level_start_index may be None)."""
+    value, spatial_shapes, level_start_index, sampling_locations, attention_weights = _contiguous(
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights
+    )
+    B, _, M, D = value.shape
+    out = torch.empty((B, sampling_locations.shape[1], M * D), dtype=value.dtype, device=value.device)
+    if out.numel() > 0:
+        grid, args, constexprs = launch.forward_call(
+            value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out
+        )
+        _launch(_forward_kernel, grid, args, constexprs, value.device)
+    return out
+
+
+def launch_backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    """The backward kernel on checked CUDA tensors: (grad_value, grad_loc, grad_attn)."""
+    value, spatial_shapes, level_start_index, sampling_locations, attention_weights = _contiguous(
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights
+    )
+    if grad_output.stride(2) != 1:
+        grad_output = grad_output.contiguous()
+    B, S, M, D = value.shape
+    _, Q, _, L, K, _ = sampling_locations.shape
+    accumulator = grad_value_accumulator_dtype(value.dtype, value.device, Q, S, L, K)
+    grad_value = torch.zeros(value.shape, dtype=accumulator, device=value.device)
+    grad_loc = torch.empty(sampling_locations.shape, dtype=sampling_locations.dtype, device=value.device)
+    grad_attn = torch.empty(attention_weights.shape, dtype=attention_weights.dtype, device=value.device)
+    if grad_attn.numel() > 0:
+        grid, args, constexprs = launch.backward_call(
+            grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+            grad_value, grad_loc, grad_attn,
+        )  # fmt: skip
+        _launch(_backward_kernel, grid, args, constexprs, value.device)
+    if accumulator != value.dtype:
+        grad_value = grad_value.to(value.dtype)
+    return grad_value, grad_loc, grad_attn
+
+
+def _starts(spatial_shapes: Tensor, level_start_index: Tensor | None) -> Tensor:
+    if level_start_index is not None:
+        return level_start_index
+    from .functional import level_start_index_from_shapes
+
+    return level_start_index_from_shapes(spatial_shapes)
+
+
+def backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    """(grad_value, grad_loc, grad_attn): the backward kernel where eligible, else the operator."""
+    if (
+        eligible(value, grad_output, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+        and not torch.are_deterministic_algorithms_enabled()
+        and not torch.is_grad_enabled()
+    ):
+        _check(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+        validation.check_tensor("grad_output", grad_output)
+        expected = (value.shape[0], sampling_locations.shape[1], value.shape[2] * value.shape[3])
+        if grad_output.shape != expected or grad_output.device != value.device:
+            starts = _starts(spatial_shapes, level_start_index)
+            validation.check_backward_args(
+                grad_output, value, spatial_shapes, starts, sampling_locations, attention_weights
+            )
+        return launch_backward(
+            grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights
+        )
+    return torch.ops.msda.backward(
+        grad_output, value, spatial_shapes, _starts(spatial_shapes, level_start_index), sampling_locations,
+        attention_weights,
+    )  # fmt: skip
+
+
+class _Function(torch.autograd.Function):
+    """Autograd for the eager fast path (the registered operator has its own, for tracing)."""
+
+    @staticmethod
+    def forward(ctx, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+        ctx.save_for_backward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+        return launch_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights = ctx.saved_tensors
+        grad_value, grad_loc, grad_attn = backward(
+            grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights
+        )
+        return grad_value, None, None, grad_loc, grad_attn
+
+
+def differentiable_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    """The fast path's forward, differentiable, on tensors `eligible` accepted."""
+    _check(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    if torch.is_grad_enabled() and (
+        value.requires_grad or sampling_locations.requires_grad or attention_weights.requires_grad
+    ):
+        return _Function.apply(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    return launch_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+
+
+def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights) -> Tensor:
+    """The operator's forward, differentiable: the eager fast path where eligible, else
+    torch.ops.msda.forward. level_start_index may be None."""
+    if eligible(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+        return differentiable_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    return torch.ops.msda.forward(
+        value, spatial_shapes, _starts(spatial_shapes, level_start_index), sampling_locations, attention_weights
+    )
