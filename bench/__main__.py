@@ -1,4 +1,4 @@
-"""Benchmark msda against the pure-PyTorch reference and its peers (../shared/BENCHMARKING.md).
+"""Benchmark msda against the pure-PyTorch reference and its peers (the method: docs/benchmarking.md).
 
     python -m bench                                   # GPU: decoder + encoder, 3 dtypes; CPU: smoke
     python -m bench --preset smoke --device cpu --out /tmp/bench

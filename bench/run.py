@@ -338,7 +338,7 @@ def _primary_time(row: dict) -> float | None:
 
 
 def judge_errors(scope: str, dtype: torch.dtype, errors: dict) -> tuple[float | None, bool | None]:
-    """(tolerance, errors_ok) of a row. Op rows are held to SPEC.md's bound for the dtype. Block
+    """(tolerance, errors_ok) of a row. Op rows are held to the dtype's bound in docs/contract.md. Block
     rows are shown, not judged: their error is mostly the block's own arithmetic in the dtype
     (half-precision projections, float32 sampling locations whose rounding moves a few samples
     across pixel borders, where the location gradient jumps), which no operator can meet the

@@ -1,4 +1,4 @@
-"""Timers that follow ../shared/BENCHMARKING.md.
+"""Timers that follow docs/benchmarking.md.
 
 - Device time, two ways that must agree within 10%: the sum of the CUDA events' durations
   (kernels, memsets, copies) that torch.profiler records per call, and CUDA-graph replay

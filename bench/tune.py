@@ -1,4 +1,4 @@
-"""Sweep the kernels' launch heuristics at the BENCHMARKING.md presets.
+"""Sweep the kernels' launch heuristics at the presets of docs/benchmarking.md.
 
     python -m bench.tune [--presets decoder encoder] [--dtypes float32 float16 bfloat16]
                          [--kernels fwd bwd] [--forward 2048,4,1 1024,2,1 ...] [--backward 1024,4 ...]

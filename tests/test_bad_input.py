@@ -1,4 +1,4 @@
-"""Bad input (SPEC.md, "Bad input"): every invalid call raises a ValueError or TypeError whose
+"""Bad input (docs/contract.md, "Bad input"): every invalid call raises a ValueError or TypeError whose
 message names the argument and says what was expected, before any kernel runs.
 
 BAD_CALLS is the battery: each case edits a valid set of arguments into an invalid one. It runs

@@ -91,7 +91,7 @@ def test_fuzz_cuda(case, dtype, seed):
     "case", [c for c in EDGE_CASES if c.id in ("1x1-levels", "non-finite", "all-at-once")], ids=lambda c: c.id
 )
 def test_tensors_on_a_gpu_other_than_the_current_one(case, path):
-    """SPEC.md: a CUDA tensor on any device index works, not only on cuda:0. The current device
+    """docs/contract.md: a CUDA tensor on any device index works, not only on cuda:0. The current device
     stays cuda:0 while every tensor lives on cuda:1 (and the other way round)."""
     with backend(path):
         for current, data in ((0, "cuda:1"), (1, "cuda:0")):
