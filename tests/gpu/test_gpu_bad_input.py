@@ -1,5 +1,5 @@
-"""GPU tier of issue 6: the bad-input battery and the edge cases on CUDA (the lists of
-tests/test_bad_input.py and tests/test_edge_cases.py, not copies), tensors on a GPU other than
+"""GPU tier: the bad-input battery and the edge cases on CUDA (the tables of msda.testing_cases that
+tests/test_bad_input.py and tests/test_edge_cases.py run, not copies), tensors on a GPU other than
 the current one, and a value tensor of more than 2**31 elements sampled near its end.
 
 compute-sanitizer's memcheck over the same edge shapes: scripts/sanitize.py.
@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 
 import msda
 from msda.testing import DETR_LEVELS, Shape, reference, relative_error, tolerance
+from msda.testing_cases import BAD_CALLS, EDGE_CASES, ENTRY_POINTS, EdgeCase, valid_args
 
-from ..test_bad_input import BAD_CALLS, ENTRY_POINTS, assert_rejects, call, entry_points, valid_args
-from ..test_edge_cases import EDGE_CASES, EdgeCase, backend, check_case, edge_cases
+from ..test_bad_input import assert_rejects, call, entry_points
+from ..test_edge_cases import backend, check_case, edge_cases
 
 # --- the battery ------------------------------------------------------------------------------
 
