@@ -41,8 +41,8 @@ def write_plot(results: dict, path: Path) -> None:
 
     machine, on_gpu = results["machine"], results["config"]["device"].startswith("cuda")
     timed = "device time (profiler)" if on_gpu else "time per call (torch.utils.benchmark)"
-    title = (f"msda bench · {machine['gpu'] or machine['cpu']} · torch {machine['torch']} · triton {machine['triton']}"
-             f" · {', '.join(results['config']['dists'])} locations")
+    title = (f"msda bench · {machine['gpu'] or machine['cpu']} · torch {machine['torch']} · "
+             f"triton {machine['triton']} · {', '.join(results['config']['dists'])} locations")
     sources = results.get("sources") or []
     subtitle = (f"speed-up = the best baseline's {timed} / the variant's, per cell; right of 1× is faster. "
                 "Whiskers: the interquartile ranges of both times. Op rows against the fastest baseline within "
@@ -66,8 +66,10 @@ def write_plot(results: dict, path: Path) -> None:
     fig.text(0.01, 1 - 0.2 / inches, title, fontsize=FONT + 5, va="top")
     fig.text(0.01, 1 - 0.5 / inches, "\n".join(subtitle_lines), fontsize=FONT + 1, va="top")
     handles = [Patch(color=colors[s], label=s) for s in series]
-    handles += [Patch(facecolor="white", edgecolor="0.3", hatch="////", label="error above the dtype's tolerance (✗)"),
-                Line2D([], [], marker="D", color="0.2", linestyle="none", markersize=5, label="the best baseline (1×)")]
+    handles += [
+        Patch(facecolor="white", edgecolor="0.3", hatch="////", label="error above the dtype's tolerance (✗)"),
+        Line2D([], [], marker="D", color="0.2", linestyle="none", markersize=5, label="the best baseline (1×)"),
+    ]
     fig.legend(handles=handles, loc="upper left", ncol=len(handles), fontsize=FONT + 1, frameon=False,
                bbox_to_anchor=(0.005, 1 - (header - 0.3) / inches))
     fig.savefig(path, dpi=110)

@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", type=Path, nargs="+")
-    parser.add_argument("--labels", nargs="+", help="one per results file, e.g. the commit it ran (default: file names)")
+    parser.add_argument("--labels", nargs="+",
+                        help="one per results file, e.g. the commit it ran (default: file names)")
     parser.add_argument("--out", type=Path, help="default: the first JSON's folder")
     opts = parser.parse_args(argv)
     runs = [read_json(path) for path in opts.results]

@@ -193,8 +193,8 @@ def print_summary(results: dict, console: Console) -> None:
             if row["status"] != "ok":
                 parts.append(f"{row['pass']} {row['status']}")
                 continue
-            parts.append(f"{row['pass']} {row['time_us']:.1f} µs, {ratio_text(row['ratio'])} vs {row['best_baseline']} "
-                         f"(e2e {ratio_text(row['ratio_e2e'])})")
+            parts.append(f"{row['pass']} {row['time_us']:.1f} µs, {ratio_text(row['ratio'])} "
+                         f"vs {row['best_baseline']} (e2e {ratio_text(row['ratio_e2e'])})")
         console.print(f"  {' · '.join(cell)}: {'; '.join(parts) or 'no msda row'}", highlight=False, markup=False)
     rows = results["rows"]
     failed = [r for r in rows if r["status"] == "error"]

@@ -208,7 +208,8 @@ def test_merge_takes_each_cell_from_the_latest_run_that_has_it():
     assert [(r["preset"], r["dtype"], r["note"]) for r in merged["rows"]] == [
         ("decoder", "float32", "monday"), ("decoder", "float16", "monday"), ("encoder", "float32", "tuesday")]
     assert [(s["label"], s["cells"]) for s in merged["sources"]] == [
-        ("a", ["decoder · float32 · uniform", "decoder · float16 · uniform"]), ("b", ["encoder · float32 · uniform"])]
+        ("a", ["decoder · float32 · uniform", "decoder · float16 · uniform"]),
+        ("b", ["encoder · float32 · uniform"])]
     assert merged["copy_bandwidth_GBps"] is None and merged["elapsed_s"] == 4.0
     assert merged["config"]["presets"] == ["decoder", "encoder"]
     assert "cells encoder · float32 · uniform: b (tuesday, copy bandwidth 4200 GB/s)" in tables.header_lines(merged)

@@ -24,8 +24,9 @@ def test_block_compiles_with_aotinductor(tmp_path):
     # The package is only built, never loaded here: loading an AOTInductor package
     # (torch._inductor.aoti_load_package) segfaulted on the GPU machine the tier was run on
     # (torch 2.11.0+cu130, NVIDIA driver 580) even for a model without custom operators (seen
-    # 2026-11-29), which would take the whole test session down. What is checked instead: inductor lowered the triton_op to its Triton kernel (named
-    # msda_forward_kernel_<n> in the generated code), so the package runs without Python.
+    # 2026-11-29), which would take the whole test session down. What is checked instead: inductor
+    # lowered the triton_op to its Triton kernel (named msda_forward_kernel_<n> in the generated
+    # code), so the package runs without Python.
     with zipfile.ZipFile(package) as archive:
         members = [name for name in archive.namelist() if b"msda_forward_kernel" in archive.read(name)]
     assert members, f"no file of {package} names msda_forward_kernel"
