@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .tables import cells, rows_of
+from .schema import cells, rows_of
 
 
 def merge(runs: list[dict], labels: list[str]) -> dict:

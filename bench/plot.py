@@ -12,7 +12,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from .schema import PASSES, SCOPES, primary_timing
+from .schema import PASSES, SCOPES, primary_timing, row_note
 
 SLOT_INCHES = 0.46  # height of one variant's group of bars
 PANEL_EXTRA_INCHES = 1.0  # title and axis labels of a panel
@@ -164,6 +164,6 @@ def _times(ratio: float) -> str:
 
 
 def _not_run(row: dict) -> str:
-    why = "; ".join(n for n in [row["note"], *row["notes"]] if n) or "no time"
+    why = row_note(row) or "no time"
     text = f"did not run ({row['status']}): {why}" if row["status"] != "ok" else f"no ratio: {why}"
     return text if len(text) <= 90 else text[:89] + "…"

@@ -87,6 +87,20 @@ def new_results(machine: dict, config: dict) -> dict:
     }
 
 
+def cells(results: dict) -> list[tuple[str, str, str]]:
+    """(preset, dtype, dist) of every cell, in the order of the rows."""
+    return list(dict.fromkeys((r["preset"], r["dtype"], r["dist"]) for r in results["rows"]))
+
+
+def rows_of(results: dict, cell: tuple[str, str, str]) -> list[dict]:
+    return [r for r in results["rows"] if (r["preset"], r["dtype"], r["dist"]) == cell]
+
+
+def row_note(row: dict) -> str:
+    """The row's note and notes, in one line."""
+    return "; ".join(n for n in [row["note"], *row["notes"]] if n)
+
+
 def primary_timing(row: dict) -> dict | None:
     """The timing that time_us is the median of (see PRIMARY_TIMINGS), or None."""
     return next((row[key] for key in PRIMARY_TIMINGS if row.get(key) is not None), None)

@@ -11,6 +11,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from .schema import cells, row_note, rows_of
+
 # Short names of the error columns; a block row's gradients stand in the op's columns.
 LABELS = {
     "output": "out",
@@ -72,18 +74,6 @@ def print_header(results: dict, console: Console) -> None:
         console.print(line, highlight=False, markup=False)
 
 
-# --- Cells and their rows ------------------------------------------------------------------------
-
-
-def cells(results: dict) -> list[tuple[str, str, str]]:
-    """(preset, dtype, dist) of every cell, in the order of the rows."""
-    return list(dict.fromkeys((r["preset"], r["dtype"], r["dist"]) for r in results["rows"]))
-
-
-def rows_of(results: dict, cell: tuple[str, str, str]) -> list[dict]:
-    return [r for r in results["rows"] if (r["preset"], r["dtype"], r["dist"]) == cell]
-
-
 # --- One row as text -----------------------------------------------------------------------------
 
 
@@ -132,10 +122,6 @@ def _worst_error(row: dict) -> str:
     return text if row["pass"] == "forward" else f"{text} {LABELS.get(name, name)}"
 
 
-def note(row: dict) -> str:
-    return "; ".join(n for n in [row["note"], *row["notes"]] if n)
-
-
 def table_columns(on_gpu: bool) -> list[str]:
     if on_gpu:
         return ["variant", "pass", "profiler µs", "graph µs", "agree", "e2e µs", "peak MiB", "error", "vs best",
@@ -144,7 +130,7 @@ def table_columns(on_gpu: bool) -> list[str]:
 
 
 def table_cells(row: dict, on_gpu: bool, note_width: int | None = None) -> list[str]:
-    text = note(row) if row["status"] == "ok" else f"{row['status']}: {note(row)}"
+    text = row_note(row) if row["status"] == "ok" else f"{row['status']}: {row_note(row)}"
     if note_width is not None and len(text) > note_width:
         text = text[: note_width - 1] + "…"
     if row["status"] in ("unavailable", "skipped"):
