@@ -1,4 +1,4 @@
-"""Benchmark msda against the pure-PyTorch reference and its peers (../shared/BENCHMARKING.md).
+"""Benchmark msda against the pure-PyTorch reference and its peers (the method: docs/benchmarking.md).
 
     python -m bench                                   # GPU: decoder + encoder, 3 dtypes; CPU: smoke
     python -m bench --preset smoke --device cpu --out /tmp/bench
@@ -21,9 +21,11 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from . import report
-from .run import DISTS, DTYPES, PRESETS, Config, new_results, run
-from .variants import PEERS, VARIANTS
+from .report import write_all
+from .run import Config, new_results, run
+from .schema import write_json
+from .tables import print_summary, print_tables
+from .variants import DISTS, DTYPES, PEERS, PRESETS, VARIANTS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -106,17 +108,17 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = None
     if opts.out is not None:
         opts.out.mkdir(parents=True, exist_ok=True)
-        checkpoint = lambda results: report.write_json(results, opts.out / "results.json")  # noqa: E731
+        checkpoint = lambda results: write_json(results, opts.out / "results.json")  # noqa: E731
     results = new_results(config)
     try:
         run(config, results, console, checkpoint)
     finally:
-        # Whatever was measured is shown and written, even when the run stops early.
-        report.print_tables(results, console)
-        report.print_header(results, console)  # again at the end, with the clocks after the run
-        report.print_summary(results, console)
+        # Whatever was measured is shown and written, even when the run stops early. (The machine
+        # was printed first; the summary adds the clocks after the run.)
+        print_tables(results, console)
+        print_summary(results, console)
         if opts.out is not None:
-            for path in report.write_all(results, opts.out):
+            for path in write_all(results, opts.out):
                 console.print(f"wrote {path}", markup=False)
     return 0 if results["complete"] else 1
 

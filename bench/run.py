@@ -17,10 +17,13 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from msda.testing import PRESETS as MSDA_PRESETS
-from msda.testing import TOLERANCE, Shape, make_inputs, relative_error
+from msda.testing import TOLERANCE, make_inputs, relative_error
 
-from . import model, report
+from . import model
+from .machine import gpu_clocks, machine_info
+from .schema import PASSES, STATUSES, new_row, primary_timing
+from .schema import new_results as empty_results
+from .tables import print_header
 from .timing import (
     Timing,
     agree,
@@ -31,15 +34,7 @@ from .timing import (
     profiler_device_time,
     warm_up,
 )
-from .variants import RESULT_NAMES, Case, Cell, Unavailable, Variant, expected
-
-SCHEMA = 1
-# Tiny shapes for a CPU (and a quick look at a GPU): two levels, two heads, two points.
-SMOKE = Shape(batch=2, queries=12, heads=2, head_dim=8, levels=((6, 8), (3, 4)), points=2)
-PRESETS = {"smoke": SMOKE, **MSDA_PRESETS}
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-DISTS = ("uniform", "local")
-PASSES = ("forward", "backward")
+from .variants import DTYPES, PRESETS, RESULT_NAMES, Case, Cell, Unavailable, Variant, expected
 
 # Repetitions, kept modest so that the default GPU run stays within a few minutes: each
 # profiler repeat and each graph holds about PROFILE_SECONDS of calls (3 to 20 calls), each
@@ -63,11 +58,10 @@ class Config:
 
 
 def new_results(config: Config) -> dict:
-    """The results of a run before its first cell (report.validate checks their schema)."""
-    return {
-        "schema": SCHEMA,
-        "machine": report.machine_info(config.device, config.threads),
-        "config": {
+    """The results of a run before its first cell (bench.schema lays them out)."""
+    return empty_results(
+        machine_info(config.device, config.threads),
+        {
             "presets": config.presets,
             "dtypes": config.dtypes,
             "dists": config.dists,
@@ -76,11 +70,7 @@ def new_results(config: Config) -> dict:
             "compile_backend": config.compile_backend,
             "threads": config.threads,
         },
-        "copy_bandwidth_GBps": None,
-        "rows": [],
-        "complete": False,
-        "elapsed_s": 0.0,
-    }
+    )
 
 
 def run(config: Config, results: dict, console: Console, checkpoint: Callable[[dict], None] | None = None) -> None:
@@ -91,7 +81,7 @@ def run(config: Config, results: dict, console: Console, checkpoint: Callable[[d
     started = time.perf_counter()
     device = config.device
     _limit_recompiles()
-    report.print_header(results, console)
+    print_header(results, console)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         _start_profiler()
@@ -118,7 +108,7 @@ def run(config: Config, results: dict, console: Console, checkpoint: Callable[[d
             if checkpoint is not None:
                 checkpoint(results)
     if device.type == "cuda":
-        results["machine"]["clocks_after"] = report.gpu_clocks()
+        results["machine"]["clocks_after"] = gpu_clocks()
     results["complete"] = True
     results["elapsed_s"] = time.perf_counter() - started
 
@@ -127,9 +117,9 @@ def _count_variants(rows: list[dict]) -> str:
     """'7 ok, 1 error, 2 unavailable': a variant counts as its worst row."""
     worst = {}
     for r in rows:
-        rank = report.STATUSES.index(r["status"]) if r["status"] != "ok" else -1
+        rank = STATUSES.index(r["status"]) if r["status"] != "ok" else -1
         worst[r["variant"]] = max(worst.get(r["variant"], -1), rank)
-    counts = {s: sum(v == (i if s != "ok" else -1) for v in worst.values()) for i, s in enumerate(report.STATUSES)}
+    counts = {s: sum(v == (i if s != "ok" else -1) for v in worst.values()) for i, s in enumerate(STATUSES)}
     return ", ".join(f"{n} {s}" for s, n in counts.items() if n)
 
 
@@ -216,12 +206,12 @@ def _run_variant(variant: Variant, cell: Cell, config: Config, bandwidth: float)
             _time_cpu(case, rows, config.threads, min_run_time)
     except Exception as e:  # a failure outside the per-column guards: a row keeps what it has
         for r in rows.values():
-            if _primary_time(r) is None:
+            if primary_timing(r) is None:
                 r["status"], r["note"] = "error", f"timing: {_describe(e)}"
     for p, r in rows.items():
         r["setup_s"] = setup_s
         r["tolerance"], r["errors_ok"] = judge_errors(variant.scope, cell.dtype, r["errors"])
-        r["time_us"] = _primary_time(r)
+        r["time_us"] = (primary_timing(r) or {}).get("median")
         if variant.scope == "op":
             r["min_bytes"] = model.min_bytes(cell.shape, cell.dtype, cell.inputs.sampling_locations.dtype, p)
             if r["time_us"] is not None and r["time_us"] > 0:
@@ -326,19 +316,11 @@ def _stats(t: Timing | None) -> dict | None:
     return {"median": t.median_us, "iqr": t.iqr_us, "n": len(t.samples_us)}
 
 
-def _primary_time(row: dict) -> float | None:
-    """Device time (profiler, else graph replay) on a GPU; the torch.utils.benchmark time on a CPU."""
-    for key in ("profiler_us", "graph_us", "e2e_us"):
-        if row[key] is not None:
-            return row[key]["median"]
-    return None
-
-
 # --- Ratios ------------------------------------------------------------------------------------
 
 
 def judge_errors(scope: str, dtype: torch.dtype, errors: dict) -> tuple[float | None, bool | None]:
-    """(tolerance, errors_ok) of a row. Op rows are held to SPEC.md's bound for the dtype. Block
+    """(tolerance, errors_ok) of a row. Op rows are held to the dtype's bound in docs/contract.md. Block
     rows are shown, not judged: their error is mostly the block's own arithmetic in the dtype
     (half-precision projections, float32 sampling locations whose rounding moves a few samples
     across pixel borders, where the location gradient jumps), which no operator can meet the
@@ -385,32 +367,10 @@ def _e2e_of(row: dict) -> float | None:
 
 
 def _row(base: dict, variant: Variant, pass_: str, status: str, note: str, errors: dict | None = None) -> dict:
-    return {
-        **base,
-        "variant": variant.name,
-        "scope": variant.scope,
-        "baseline": variant.baseline,
-        "description": variant.description,
-        "pass": pass_,
-        "status": status,
-        "note": note,
-        "notes": [],
-        "profiler_us": None,
-        "graph_us": None,
-        "agree": None,
-        "e2e_us": None,
-        "peak_bytes": None,
-        "errors": errors or {},
-        "tolerance": None,
-        "errors_ok": None,
-        "time_us": None,
-        "ratio": None,
-        "ratio_e2e": None,
-        "best_baseline": None,
-        "min_bytes": None,
-        "floor_fraction": None,
-        "setup_s": None,
-    }
+    """A row of results.json (bench.schema.ROW) for `variant` in the cell `base` names."""
+    return new_row(**base, variant=variant.name, scope=variant.scope, baseline=variant.baseline,
+                   description=variant.description, status=status, note=note, errors=errors or {},
+                   **{"pass": pass_})
 
 
 def _describe(e: BaseException) -> str:

@@ -1,4 +1,4 @@
-"""Timers that follow ../shared/BENCHMARKING.md.
+"""Timers that follow docs/benchmarking.md.
 
 - Device time, two ways that must agree within 10%: the sum of the CUDA events' durations
   (kernels, memsets, copies) that torch.profiler records per call, and CUDA-graph replay
@@ -70,18 +70,26 @@ def profiler_device_time(fn: Callable[[], object], calls: int = 20, repeats: int
     return timing
 
 
-def graph_device_time(fn: Callable[[], object], calls: int = 20, replays: int = 10) -> Timing:
-    """Per-call device time from replaying `calls` captured calls in one CUDA graph."""
+def capture_graph(fn: Callable[[], object], calls: int = 1) -> tuple[torch.cuda.CUDAGraph, object]:
+    """A CUDA graph of `calls` calls of `fn`, warmed up first on a side stream (as capture requires),
+    and the static output of the last call, which every replay overwrites."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up on a side stream, as graph capture requires
+    with torch.cuda.stream(stream):
         warm_up(fn)
     torch.cuda.current_stream().wait_stream(stream)
 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
-            fn()
+            out = fn()
+    torch.cuda.synchronize()
+    return graph, out
+
+
+def graph_device_time(fn: Callable[[], object], calls: int = 20, replays: int = 10) -> Timing:
+    """Per-call device time from replaying `calls` captured calls in one CUDA graph."""
+    graph, _ = capture_graph(fn, calls)
     graph.replay()
     torch.cuda.synchronize()
 

@@ -1,4 +1,4 @@
-"""Sweep the kernels' launch heuristics at the BENCHMARKING.md presets.
+"""Sweep the kernels' launch heuristics at the presets of docs/benchmarking.md.
 
     python -m bench.tune [--presets decoder encoder] [--dtypes float32 float16 bfloat16]
                          [--kernels fwd bwd] [--forward 2048,4,1 1024,2,1 ...] [--backward 1024,4 ...]
@@ -11,7 +11,6 @@ choose the FORWARD_*/BACKWARD_* constants in msda/kernels; bench/NOTES.md logs t
 from __future__ import annotations
 
 import argparse
-import importlib
 
 import torch
 
@@ -21,6 +20,7 @@ from msda.kernels import forward as forward_kernel
 from msda.testing import PRESETS, make_inputs
 
 from .timing import graph_device_time, profiler_device_time
+from .variants import DTYPES, Unavailable, deformops_msda
 
 # Forward: (bytes of value rows per corner per step, warps, samples per step); backward:
 # (elements, warps). 2048 bytes at 4 warps is one 16-byte load per thread.
@@ -35,7 +35,6 @@ FORWARD_SWEEP = [
     (16384, 4, 16),
 ]
 BACKWARD_SWEEP = [(1024, 4), (1024, 2), (2048, 4)]
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def _configure_forward(tile_bytes: int, warps: int, max_block_lk: int) -> None:
@@ -61,10 +60,9 @@ def _comma_ints(text: str) -> tuple[int, ...]:
 
 def _deformops():
     try:
-        importlib.import_module("deformops.registry.msda")
-        return torch.ops.deformops.msda, ""
-    except (ImportError, AttributeError) as e:
-        return None, f"deformops not importable: {e}"
+        return deformops_msda(), ""
+    except Unavailable as e:
+        return None, str(e)
 
 
 def main() -> None:

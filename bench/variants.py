@@ -1,6 +1,7 @@
 """The rows of the bench: each variant is a name and a builder of what one cell times.
 
-A cell is one preset, dtype and distribution of sampling locations, with its inputs. A builder
+A cell is one preset, dtype and distribution of sampling locations (PRESETS, DTYPES, DISTS), with
+its inputs. A builder
 takes the cell and returns a Case: callables for one forward call, one backward call, one
 forward+backward step, and the output and gradients that the error columns compare with the
 float64 oracle. A builder raises Unavailable when the variant cannot run here (a peer that is
@@ -27,7 +28,17 @@ from torch import Tensor
 
 import msda
 import msda.layer
+from msda.testing import PRESETS as MODEL_PRESETS
 from msda.testing import Inputs, Shape, reference, reference_with_grads
+
+from .timing import capture_graph
+
+# The cells' axes. decoder and encoder are the operating points of docs/benchmarking.md; smoke is
+# tiny, for a CPU (and a quick look at a GPU): two levels, two heads, two points.
+SMOKE = Shape(batch=2, queries=12, heads=2, head_dim=8, levels=((6, 8), (3, 4)), points=2)
+PRESETS = {"smoke": SMOKE, **MODEL_PRESETS}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DISTS = ("uniform", "local")
 
 RESULT_NAMES = {
     "op": ("output", "grad_value", "grad_sampling_locations", "grad_attention_weights"),
@@ -210,21 +221,6 @@ def _autograd_case(
     return Case(forward=call, backward=backward if retain else None, step=step, results=results)
 
 
-def _capture(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
-    """A CUDA graph of one call of `fn` (warmed up on a side stream) and its static outputs."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    torch.cuda.synchronize()
-    return graph, out
-
-
 # --- msda --------------------------------------------------------------------------------------
 
 
@@ -263,8 +259,8 @@ def _msda_graph(cell: Cell) -> Case:
         out = msda.multi_scale_deformable_attention(value, shapes, starts, loc, attn)
         return (out, *torch.autograd.grad(out, leaves, grad))
 
-    forward_graph, forward_out = _capture(lambda: torch.ops.msda.forward(*args))
-    step_graph, step_out = _capture(forward_backward)
+    forward_graph, forward_out = capture_graph(lambda: torch.ops.msda.forward(*args))
+    step_graph, step_out = capture_graph(forward_backward)
 
     def forward():
         forward_graph.replay()
@@ -294,12 +290,17 @@ def _reference(cell: Cell, compiled: bool = False) -> Case:
     return _autograd_case(lambda: fn(value, shapes, loc, attn), leaves, cell.grad_output, retain=not compiled)
 
 
-def _deformops(cell: Cell) -> Case:
+def deformops_msda():
+    """The peer's operator, torch.ops.deformops.msda (raises Unavailable without deformops)."""
     try:
         importlib.import_module("deformops.registry.msda")
-        op = torch.ops.deformops.msda
+        return torch.ops.deformops.msda
     except (ImportError, AttributeError) as e:
         raise Unavailable(f"deformops is not importable: {e}") from e
+
+
+def _deformops(cell: Cell) -> Case:
+    op = deformops_msda()
     value, loc, attn = leaves = _op_leaves(cell)
     shapes, starts = cell.inputs.spatial_shapes, cell.inputs.level_start_index
     return _autograd_case(lambda: op(value, shapes, starts, loc, attn), leaves, cell.grad_output)

@@ -31,13 +31,13 @@ class Shape:
         return sum(h * w for h, w in self.levels)
 
 
-# The operating points of BENCHMARKING.md (hidden size 256 = 8 heads x 32, 4 levels, 4 points).
+# The operating points of docs/benchmarking.md (hidden size 256 = 8 heads x 32, 4 levels, 4 points).
 PRESETS = {
     "decoder": Shape(batch=4, queries=300, heads=8, head_dim=32, levels=DETR_LEVELS, points=4),
     "encoder": Shape(batch=2, queries=22223, heads=8, head_dim=32, levels=DETR_LEVELS, points=4),
 }
 
-# SPEC.md: relative error against the float64 reference, per dtype.
+# docs/contract.md: relative error against the float64 reference, per dtype.
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 

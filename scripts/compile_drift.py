@@ -11,7 +11,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from csrc_free_ops import transformers as hf_patch  # noqa: E402
 from msda.testing import relative_error  # noqa: E402
-from tests.tiny_transformers import OUTPUTS, flat, pixel_values, tiny_deformable_detr, training_loss  # noqa: E402
+from msda.testing_cases import OUTPUTS, flat, pixel_values, tiny_deformable_detr, training_loss  # noqa: E402
 
 
 def run(model, pixels, compiled):

@@ -16,9 +16,18 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --
 python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 status=0
 
-pytest_log() {  # pytest_log NAME PATHS...: one pytest process, its output in $out/NAME.log
-  local name=$1; shift
-  python3 -m pytest "$@" -q -rfEs --durations=10 --timeout=300 -p no:cacheprovider >"$out/$name.log" 2>&1
+# pytest-xdist (-n) and pytest-timeout (--timeout) come with the test group (pip install -e . --group
+# test; on a machine without network, carry their wheels in .whl/). Without them the tier still
+# runs: the CPU tests in one process, and no test is stopped for taking too long.
+parallel=(-n 6)
+python3 -c "import xdist" 2>/dev/null || { parallel=(); echo "note: pytest-xdist is not installed: no -n"; }
+timeouts=true
+python3 -c "import pytest_timeout" 2>/dev/null || { timeouts=false; echo "note: pytest-timeout is not installed: no --timeout"; }
+
+pytest_log() {  # pytest_log NAME TIMEOUT_S ARGS...: one pytest process, its output in $out/NAME.log
+  local name=$1 limit=$2; shift 2
+  if $timeouts; then set -- "$@" --timeout="$limit"; fi
+  python3 -m pytest "$@" -q -rfEs --durations=10 -p no:cacheprovider >"$out/$name.log" 2>&1
 }
 
 sanitize() {  # memcheck over the Triton kernels' edge shapes; nonzero exit on any error
@@ -27,13 +36,13 @@ sanitize() {  # memcheck over the Triton kernels' edge shapes; nonzero exit on a
 
 tier() {
   local pids=() names=(gpu_bad_input gpu_graphs gpu_numerics rest sanitize) i s=0
-  pytest_log gpu_bad_input tests/gpu/test_gpu_bad_input.py & pids+=($!)
-  pytest_log gpu_graphs tests/gpu/test_gpu_compile.py tests/gpu/test_gpu_cuda_graphs.py tests/gpu/test_gpu_export.py & pids+=($!)
-  pytest_log gpu_numerics tests/gpu/test_gpu_numerics.py tests/gpu/test_gpu_opcheck.py tests/gpu/test_gpu_streams.py \
+  pytest_log gpu_bad_input 300 tests/gpu/test_gpu_bad_input.py & pids+=($!)
+  pytest_log gpu_graphs 300 tests/gpu/test_gpu_compile.py tests/gpu/test_gpu_cuda_graphs.py tests/gpu/test_gpu_export.py & pids+=($!)
+  pytest_log gpu_numerics 300 tests/gpu/test_gpu_numerics.py tests/gpu/test_gpu_opcheck.py tests/gpu/test_gpu_streams.py \
     tests/gpu/test_gpu_two_devices.py tests/gpu/test_gpu_transformers.py & pids+=($!)
   # The rest (the README command covers it too). Its compile check builds 96 kernels on the CPU:
   # past 300 s while the other groups compile beside it.
-  pytest_log rest tests --ignore=tests/gpu -n 6 --timeout=900 & pids+=($!)
+  pytest_log rest 900 tests --ignore=tests/gpu ${parallel[@]+"${parallel[@]}"} & pids+=($!)
   sanitize >"$out/sanitize.log" 2>&1 & pids+=($!)
   for i in "${!pids[@]}"; do
     wait "${pids[$i]}"; local rc=$?
@@ -43,7 +52,9 @@ tier() {
   return $s
 }
 # Each argument is one part: tests[:PATHS], sanitize, tune, bench, or mod:MODULE (python -m MODULE).
-for part in "${@:-tier bench}"; do
+parts=("$@")
+[ ${#parts[@]} -gt 0 ] || parts=(tier bench)
+for part in "${parts[@]}"; do
   case $part in
     tier) tier; s=$? ;;
     tests*) path=${part#tests}; path=${path#:}

@@ -2,7 +2,7 @@
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitize.py [--large]
 
-The shapes are the edge cases of tests/test_edge_cases.py (1x1, 1x200 and 200x1 levels, D = 24
+The shapes are the edge cases of msda.testing_cases (1x1, 1x200 and 200x1 levels, D = 24
 and 256, NaN / +-inf / far-outside locations, non-contiguous arguments, an expanded grad_output,
 int32 shapes; the empty calls launch nothing) in every value dtype, plus the bad inputs that only
 a CPU eager call can reject (S != sum(H * W), empty or negative levels, inconsistent
@@ -20,13 +20,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: msda, tests
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: msda
 
 from msda import ops  # noqa: E402
-from tests.test_bad_input import BAD_CALLS, FORWARD_ARGS, valid_args  # noqa: E402
-from tests.test_edge_cases import EDGE_CASES  # noqa: E402
-
-DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+from msda.testing_cases import BAD_CALLS, EDGE_CASES, FORWARD_ARGS, valid_args  # noqa: E402
+from msda.validation import FLOAT_DTYPES as DTYPES  # noqa: E402  (every value dtype)
 
 
 def forward_backward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_output):

@@ -162,7 +162,7 @@ def msda_forward_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
 def check_one_graph_for_all_sizes(device) -> None:
     """torch.compile(fullgraph=True, dynamic=True) of the block: the first call compiles one
     graph (forward and backward), which then serves every call of CALLS with no recompilation;
-    outputs and gradients equal eager and the float64 oracle within SPEC.md's float32 bound."""
+    outputs and gradients equal eager and the float64 oracle within the float32 bound of docs/contract.md."""
     torch._dynamo.reset()
     counters.clear()
     block = make_block(device)
@@ -176,7 +176,7 @@ def check_one_graph_for_all_sizes(device) -> None:
         expected_out, expected_grads = outputs_and_grads(block, args)
         oracle_out, oracle_grads = oracle_outputs_and_grads(block, args, cotangent(out))
         where = f"call {call} (batch {batch}, image {image_size}, {queries} queries)"
-        # SPEC.md's float32 bound (1e-5) for all four comparisons. The gradients go through
+        # The float32 bound of docs/contract.md (1e-5) for all four comparisons. The gradients go through
         # atomic adds on the GPU, in another order each run, which changes their float32 rounding
         # only (here a grad_value row sums a handful of samples: about 1e-7 relative). Measured on
         # CPU: at most 7e-7 against eager, 1.3e-6 against the oracle (attention_weights.weight).

@@ -22,7 +22,7 @@ def forward_backward(inputs: Inputs, grad_output: Tensor, fn=msda.multi_scale_de
 
 
 def assert_matches_reference(inputs: Inputs, results, grad_output: Tensor, scale: float = 1.0) -> dict[str, float]:
-    """Assert output and gradients are within SPEC.md's bound of the float64 reference.
+    """Assert output and gradients are within the bound of docs/contract.md of the float64 reference.
 
     The bound is that of the least precise dtype among the inputs (a float16 value limits the
     accuracy of the location gradient too). Returns the errors for printing.

@@ -1,5 +1,5 @@
-"""The bench (python -m bench): its timing helpers, its bookkeeping, its results' schema, and the
-smoke preset end to end on a CPU."""
+"""The bench (python -m bench): its timing helpers, its bookkeeping, its results' layout, merging
+runs, the plot, and the smoke preset end to end on a CPU."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bench import model, report
+from bench import model, schema, tables
 from bench import run as bench_run
 from bench.__main__ import config_from, parse_args
+from bench.merge import merge
 from bench.timing import AGREEMENT, Timing, agree, device_events_us
-from bench.variants import VARIANTS, Cell, _msda_autograd, _msda_op, _reference, grid_sample_msda
+from bench.variants import PRESETS, SMOKE, VARIANTS, Cell, _msda_autograd, _msda_op, _reference, grid_sample_msda
 from msda.testing import TOLERANCE, make_inputs, reference
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,7 +51,7 @@ def test_timing_reports_median_and_interquartile_range():
 
 
 def test_memory_floor_counts_each_input_and_output_once():
-    shape = bench_run.SMOKE  # B=2, Q=12, M=2, D=8, levels 6x8 and 3x4 (S=60), K=2
+    shape = SMOKE  # B=2, Q=12, M=2, D=8, levels 6x8 and 3x4 (S=60), K=2
     value, out = 2 * 60 * 2 * 8 * 4, 2 * 12 * 2 * 8 * 4
     loc, attn = 2 * 12 * 2 * 2 * 2 * 2 * 4, 2 * 12 * 2 * 2 * 2 * 4
     meta = 2 * 2 * 8 + 2 * 8
@@ -65,7 +66,7 @@ def test_memory_floor_counts_each_input_and_output_once():
 
 @pytest.mark.parametrize("dist", ["uniform", "local"])
 def test_grid_sample_baseline_computes_msda(dist):
-    inputs = make_inputs(bench_run.SMOKE, torch.float64, dist=dist, outside_fraction=0.1, seed=3)
+    inputs = make_inputs(SMOKE, torch.float64, dist=dist, outside_fraction=0.1, seed=3)
     shapes = [tuple(hw) for hw in inputs.spatial_shapes.tolist()]
     actual = grid_sample_msda(inputs.value, shapes, inputs.sampling_locations, inputs.attention_weights)
     expected = reference(inputs.value, inputs.spatial_shapes, inputs.sampling_locations, inputs.attention_weights)
@@ -80,7 +81,7 @@ def test_cli_defaults_and_filters_on_a_cpu():
 
     config = config_from(parse_args(["--device", "cpu", "--preset", "all", "--dtype", "float16,bfloat16",
                                      "--dtype", "float32", "--dist", "local", "--peers", "--variants", "msda*"]))
-    assert config.presets == list(bench_run.PRESETS)
+    assert config.presets == list(PRESETS)
     assert config.dtypes == ["float16", "bfloat16", "float32"] and config.dists == ["local"]
     assert [v.name for v in config.variants] == ["msda", "msda-autograd", "msda-graph"]
     assert not any(v.peer for v in config_from(parse_args(["--device", "cpu", "--peers"])).variants)
@@ -91,9 +92,9 @@ def test_cli_defaults_and_filters_on_a_cpu():
 def test_cuda_bookkeeping_with_stand_in_timers(monkeypatch):
     """The GPU path's arithmetic, on a CPU: the timers are replaced by ones that return a fixed
     time per callable (forward 10, backward 20, forward+backward 30 us; graph replay 5% more)."""
-    inputs = make_inputs(bench_run.SMOKE, torch.float32, seed=0)
+    inputs = make_inputs(SMOKE, torch.float32, seed=0)
     grad = torch.randn(2, 12, 16)
-    cell = Cell("smoke", bench_run.SMOKE, torch.float32, "uniform", torch.device("cpu"), inputs, grad, "eager", {})
+    cell = Cell("smoke", SMOKE, torch.float32, "uniform", torch.device("cpu"), inputs, grad, "eager", {})
     cases = {"msda": _msda_op(cell), "autograd": _msda_autograd(cell), "compiled": _reference(cell, compiled=True)}
     times = {}
     for case in cases.values():
@@ -110,7 +111,7 @@ def test_cuda_bookkeeping_with_stand_in_timers(monkeypatch):
 
     for name, case in cases.items():
         variant = next(v for v in VARIANTS if v.name == "msda")
-        rows = {p: bench_run._row({}, variant, p, "ok", "") for p in bench_run.PASSES}
+        rows = {p: bench_run._row({}, variant, p, "ok", "") for p in schema.PASSES}
         bench_run._time_cuda(case, rows)
         fwd, bwd = rows["forward"], rows["backward"]
         assert fwd["profiler_us"]["median"] == 10.0 and fwd["graph_us"]["median"] == pytest.approx(10.5)
@@ -148,15 +149,45 @@ def test_op_rows_are_judged_against_the_bound_and_block_rows_are_not():
 
 
 def test_validate_reports_schema_problems():
-    assert "missing top-level key 'rows'" in report.validate({})
+    assert "missing top-level key 'rows'" in schema.validate({})
     results = {"schema": 1, "machine": {"gpu": None, "torch": "x", "triton": None, "clocks": None, "cpu": "c",
                                         "peers": {}},
                "config": {}, "copy_bandwidth_GBps": 1.0, "rows": [], "complete": True, "elapsed_s": 1.0}
-    assert report.validate(results) == []
+    assert schema.validate(results) == []
     row = bench_run._row({"preset": "smoke", "dtype": "float32", "dist": "uniform"}, VARIANTS[0], "forward", "ok", "")
-    assert report.validate({**results, "rows": [row]}) == []
-    assert report.validate({**results, "rows": [{**row, "status": "fine"}]}) == ["row 0 status 'fine'"]
-    assert report.validate({**results, "rows": [{**row, "e2e_us": {"median": 1.0}}]})
+    assert schema.validate({**results, "rows": [row]}) == []
+    assert schema.validate({**results, "rows": [{**row, "status": "fine"}]}) == ["row 0 status 'fine'"]
+    assert schema.validate({**results, "rows": [{**row, "e2e_us": {"median": 1.0}}]})
+
+
+def test_a_row_has_the_keys_that_validate_checks():
+    """The row layout is written once (bench.schema.ROW): rows are built from it, checked by it."""
+    row = bench_run._row({"preset": "smoke", "dtype": "float32", "dist": "uniform"}, VARIANTS[0], "backward",
+                         "error", "why")
+    assert list(row) == list(schema.ROW)
+    assert (row["variant"], row["pass"], row["status"], row["note"]) == ("msda", "backward", "error", "why")
+    assert row["notes"] == [] and row["notes"] is not schema.new_row()["notes"]  # a fresh list each
+    with pytest.raises(KeyError):
+        schema.new_row(colour="red")
+
+
+def test_the_committed_results_are_valid():
+    results = schema.read_json(REPO / "bench" / "results" / "results.json")
+    assert schema.validate(results) == []
+
+
+def test_plot_spread_and_the_note_for_what_did_not_run():
+    from bench import plot
+
+    timing = lambda median, iqr: {"median": median, "iqr": iqr, "n": 5}  # noqa: E731
+    base = schema.new_row(variant="reference", profiler_us=timing(100.0, 20.0), time_us=100.0, ratio=1.0,
+                          best_baseline="reference")
+    row = schema.new_row(variant="msda", profiler_us=timing(10.0, 2.0), time_us=10.0, ratio=10.0,
+                         best_baseline="reference")
+    assert plot._spread(row, base) == pytest.approx((90 / 11, 110 / 9))
+    assert plot._spread(base, base) == (1.0, 1.0)
+    skipped = schema.new_row(variant="msda-graph", status="skipped", note="needs CUDA")
+    assert plot._not_run(skipped) == "did not run (skipped): needs CUDA"
 
 
 def test_merge_takes_each_cell_from_the_latest_run_that_has_it():
@@ -172,15 +203,16 @@ def test_merge_takes_each_cell_from_the_latest_run_that_has_it():
 
     old = run("monday", [("decoder", "float32"), ("decoder", "float16"), ("encoder", "float32")], 4100.0)
     new = run("tuesday", [("encoder", "float32")], 4200.0)
-    merged = report.merge([old, new], ["a", "b"])
-    assert report.validate(merged) == []
+    merged = merge([old, new], ["a", "b"])
+    assert schema.validate(merged) == []
     assert [(r["preset"], r["dtype"], r["note"]) for r in merged["rows"]] == [
         ("decoder", "float32", "monday"), ("decoder", "float16", "monday"), ("encoder", "float32", "tuesday")]
     assert [(s["label"], s["cells"]) for s in merged["sources"]] == [
-        ("a", ["decoder · float32 · uniform", "decoder · float16 · uniform"]), ("b", ["encoder · float32 · uniform"])]
+        ("a", ["decoder · float32 · uniform", "decoder · float16 · uniform"]),
+        ("b", ["encoder · float32 · uniform"])]
     assert merged["copy_bandwidth_GBps"] is None and merged["elapsed_s"] == 4.0
     assert merged["config"]["presets"] == ["decoder", "encoder"]
-    assert "cells encoder · float32 · uniform: b (tuesday, copy bandwidth 4200 GB/s)" in report.header_lines(merged)
+    assert "cells encoder · float32 · uniform: b (tuesday, copy bandwidth 4200 GB/s)" in tables.header_lines(merged)
 
 
 def test_smoke_preset_end_to_end(tmp_path):
@@ -198,7 +230,7 @@ def test_smoke_preset_end_to_end(tmp_path):
     assert list(trace.glob("trace_smoke_float32_uniform.json"))
 
     results = json.loads((out / "results.json").read_text())
-    assert report.validate(results) == []
+    assert schema.validate(results) == []
     assert results["complete"] and results["config"]["device"] == "cpu"
     rows = {(r["variant"], r["pass"]): r for r in results["rows"]}
     for variant in ("msda", "msda-autograd", "reference", "reference-compile", "block", "block-compile"):
@@ -218,6 +250,8 @@ def test_smoke_preset_end_to_end(tmp_path):
         assert rows[peer, "forward"]["note"] or rows[peer, "forward"]["status"] == "ok"
     markdown = (out / "results.md").read_text()
     assert "| msda | forward |" in markdown and "err ∂loc/∂ref" in markdown
+    assert proc.stdout.count("CPU: ") == 1, proc.stdout  # the machine, once
+    assert "1 threads" not in proc.stdout and "timed on 1 thread" in proc.stdout
 
     # python -m bench.report renders the markdown and the plot again from the JSON alone.
     again = tmp_path / "again"

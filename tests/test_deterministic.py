@@ -1,4 +1,4 @@
-"""Deterministic mode (SPEC.md): under torch.use_deterministic_algorithms(True) the backward
+"""Deterministic mode (docs/contract.md): under torch.use_deterministic_algorithms(True) the backward
 takes the pure-PyTorch path, whose scatter is deterministic in that mode, on every backend. On
 CPU that is checked through the Triton backend (the interpreter); tests/gpu checks on CUDA that
 the gradients are bitwise equal run to run."""

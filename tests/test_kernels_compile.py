@@ -1,7 +1,8 @@
 """Both kernels compile for sm_90 (Hopper) with the installed triton, at the launch configurations
 the operator picks (scripts/compile_check.py, in a subprocess: under TRITON_INTERPRET the kernels
 are interpreted and cannot be compiled). Triton's compiler has crashed on tile shapes in one
-release and not another; CI installs the oldest triton the package declares, the H200's."""
+release and not another; CI installs the oldest triton the test group declares (3.6.0), the
+release the GPU tier ran on."""
 
 import os
 import subprocess

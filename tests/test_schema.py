@@ -1,4 +1,4 @@
-"""The registered schemas, as SPEC.md writes them (an expecttest snapshot)."""
+"""The registered schemas, as docs/contract.md writes them (an expecttest snapshot)."""
 
 import expecttest
 import torch

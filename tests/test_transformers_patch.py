@@ -9,10 +9,9 @@ import torch
 import msda
 from csrc_free_ops import transformers as hf_patch
 from msda.testing import Shape, make_inputs, relative_error
+from msda.testing_cases import OUTPUTS, flat, outputs_and_grads, pixel_values, tiny_deformable_detr, training_loss
 
-from .tiny_transformers import OUTPUTS, flat, outputs_and_grads, pixel_values, tiny_deformable_detr, training_loss
-
-pytest.importorskip("transformers")  # a guard only: the test extra installs transformers
+pytest.importorskip("transformers")  # a guard only: the test dependency group installs transformers
 
 pytestmark = pytest.mark.transformers
 

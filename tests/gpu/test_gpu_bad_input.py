@@ -1,5 +1,5 @@
-"""GPU tier of issue 6: the bad-input battery and the edge cases on CUDA (the lists of
-tests/test_bad_input.py and tests/test_edge_cases.py, not copies), tensors on a GPU other than
+"""GPU tier: the bad-input battery and the edge cases on CUDA (the tables of msda.testing_cases that
+tests/test_bad_input.py and tests/test_edge_cases.py run, not copies), tensors on a GPU other than
 the current one, and a value tensor of more than 2**31 elements sampled near its end.
 
 compute-sanitizer's memcheck over the same edge shapes: scripts/sanitize.py.
@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 
 import msda
 from msda.testing import DETR_LEVELS, Shape, reference, relative_error, tolerance
+from msda.testing_cases import BAD_CALLS, EDGE_CASES, ENTRY_POINTS, EdgeCase, valid_args
 
-from ..test_bad_input import BAD_CALLS, ENTRY_POINTS, assert_rejects, call, entry_points, valid_args
-from ..test_edge_cases import EDGE_CASES, EdgeCase, backend, check_case, edge_cases
+from ..test_bad_input import assert_rejects, call, entry_points
+from ..test_edge_cases import backend, check_case, edge_cases
 
 # --- the battery ------------------------------------------------------------------------------
 
@@ -91,7 +92,7 @@ def test_fuzz_cuda(case, dtype, seed):
     "case", [c for c in EDGE_CASES if c.id in ("1x1-levels", "non-finite", "all-at-once")], ids=lambda c: c.id
 )
 def test_tensors_on_a_gpu_other_than_the_current_one(case, path):
-    """SPEC.md: a CUDA tensor on any device index works, not only on cuda:0. The current device
+    """docs/contract.md: a CUDA tensor on any device index works, not only on cuda:0. The current device
     stays cuda:0 while every tensor lives on cuda:1 (and the other way round)."""
     with backend(path):
         for current, data in ((0, "cuda:1"), (1, "cuda:0")):

@@ -2,7 +2,7 @@
 under torch.compile(fullgraph=True, dynamic=True) on the Triton kernels: one graph, compiled on
 the first call, serves three image sizes, two batch sizes and four query counts with no
 recompilation (torch.compiler.set_stance("fail_on_recompile") after the first call); outputs and
-gradients equal eager and the float64 oracle within SPEC.md's float32 bound. The body is shared
+gradients equal eager and the float64 oracle within the float32 bound of docs/contract.md. The body is shared
 with the CPU tier (tests/detr_block.py), which runs it on the pure-PyTorch path."""
 
 import pytest

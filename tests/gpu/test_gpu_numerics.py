@@ -1,4 +1,4 @@
-"""GPU tier: the Triton kernels at the BENCHMARKING.md presets against the float64 reference,
+"""GPU tier: the Triton kernels at the presets of docs/benchmarking.md against the float64 reference,
 for every dtype, mixed location/value dtypes, both location distributions."""
 
 import pytest
@@ -54,7 +54,7 @@ def test_grad_value_accumulator_rule(preset, expected):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_deterministic_mode_gives_bitwise_identical_gradients(deterministic_algorithms, dtype):
-    """SPEC.md: under torch.use_deterministic_algorithms(True) the gradients are bitwise equal
+    """docs/contract.md: under torch.use_deterministic_algorithms(True) the gradients are bitwise equal
     run to run. Local locations at the encoder preset: hundreds of adds land on some value rows,
     where the default atomic backward's order varies."""
     inputs = make_inputs(PRESETS["encoder"], dtype, "cuda", dist="local", seed=5)

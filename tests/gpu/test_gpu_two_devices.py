@@ -10,9 +10,10 @@ import torch
 
 import msda
 from msda.testing import PRESETS, Inputs, make_inputs, relative_error, tolerance
+from msda.testing_cases import FORWARD_ARGS, bad, valid_args
 
 from ..helpers import assert_matches_reference, forward_backward, random_like_output
-from ..test_bad_input import FORWARD_ARGS, assert_rejects, bad, valid_args
+from ..test_bad_input import assert_rejects
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two visible GPUs")
 
