@@ -1,4 +1,4 @@
-"""Argument checks of the bad-input contract (SPEC.md, "Bad input").
+"""Argument checks of the bad-input contract (docs/contract.md, "Bad input").
 
 Every check here reads only metadata (rank, sizes, dtype, device, layout), so it costs no host
 synchronization and runs unchanged on fake tensors while tracing. The data-dependent checks

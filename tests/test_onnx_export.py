@@ -2,8 +2,8 @@
 
 The default translation (standard ONNX operators, GridSample per level) is checked end to end:
 exported at one batch, query count and image size, run on CPU in onnxruntime at others, against
-PyTorch within SPEC.md's float32 bound. The plugin forms (one custom node for mmdeploy's or
-NVIDIA's TensorRT plugin) are checked on the graph, as no plugin runs here.
+PyTorch within the contract's float32 bound (docs/contract.md). The plugin forms (one custom node
+for mmdeploy's or NVIDIA's TensorRT plugin) are checked on the graph, as no plugin runs here.
 """
 
 import math
@@ -209,14 +209,14 @@ class TestTransformersDeformableDetr:
         pytest.importorskip("transformers")
         from csrc_free_ops import transformers as hf_patch
 
-        from .tiny_transformers import tiny_deformable_detr
+        from msda.testing_cases import tiny_deformable_detr
 
         detr = tiny_deformable_detr().eval()
         assert hf_patch.patch(detr) == 2
         return Outputs(detr).eval()
 
     def test_exports_with_dynamic_batch(self, model, tmp_path):
-        from .tiny_transformers import pixel_values
+        from msda.testing_cases import pixel_values
 
         # A 96x96 image: levels of 12x12 to 2x2 (a 1x1 level fails transformers' GroupNorm at batch 1).
         path, size = tmp_path / "deformable_detr.onnx", 96
@@ -238,7 +238,7 @@ class TestTransformersDeformableDetr:
         torch.linspace(0.5, height - 0.5, height): both fix the level sizes, hence the image size
         (docs/deploy.md). torch.onnx.export would export for the example's size only; msda.onnx.export
         raises. When this test fails, transformers has changed: update docs/deploy.md."""
-        from .tiny_transformers import pixel_values
+        from msda.testing_cases import pixel_values
 
         size = {2: Dim("height", min=65, max=1024), 3: Dim("width", min=65, max=1024)}
         with pytest.raises(torch._dynamo.exc.UserError, match=r"Constraints violated \(height, width\)"):
