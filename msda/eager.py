@@ -30,15 +30,18 @@ _FLOATS = frozenset(validation.FLOAT_DTYPES)
 _INDICES = frozenset(validation.INDEX_DTYPES)
 
 
-def eligible(value: Tensor, *tensors: Tensor | None) -> bool:
+def eligible(value, spatial_shapes, level_start_index, *tensors) -> bool:
     """Whether a call on these tensors may skip the registered operator: plain CUDA tensors
-    (not fake, functional or batched), nothing compiling or tracing, no forward-mode AD."""
+    (not fake, functional or batched; level_start_index may be None), nothing compiling or
+    tracing, no forward-mode AD."""
     return (
         ops.HAS_TRITON
         and type(value) is Tensor
         and value.is_cuda
         and ops.BACKEND != "torch"
-        and all(type(t) is Tensor for t in tensors if t is not None)
+        and type(spatial_shapes) is Tensor
+        and (level_start_index is None or type(level_start_index) is Tensor)
+        and all(type(t) is Tensor for t in tensors)
         and not torch.compiler.is_compiling()
         and torch._C._len_torch_dispatch_stack() == 0
         and torch._C._functorch.peek_interpreter_stack() is None
@@ -46,13 +49,13 @@ def eligible(value: Tensor, *tensors: Tensor | None) -> bool:
     )
 
 
-def _check(value, spatial_shapes, level_start_index, sampling_locations, attention_weights) -> None:
-    """The operator's metadata checks, in the few comparisons a valid call needs; anything
-    unusual runs the full checks, which raise the operator's error."""
-    v, loc, attn, shapes = value, sampling_locations, attention_weights, spatial_shapes
+def _looks_valid(value, spatial_shapes, level_start_index, sampling_locations, attention_weights) -> bool:
+    """The operator's metadata checks for the common case, in a few comparisons."""
+    v, loc, attn, shapes, starts = value, sampling_locations, attention_weights, spatial_shapes, level_start_index
     device = v.device
-    ok = (
-        v.dim() == 4
+    return (
+        not (v.is_nested or loc.is_nested or attn.is_nested or shapes.is_nested)
+        and v.dim() == 4
         and loc.dim() == 6
         and v.dtype in _FLOATS
         and loc.dtype in _FLOATS
@@ -69,21 +72,33 @@ def _check(value, spatial_shapes, level_start_index, sampling_locations, attenti
         and loc.device == device
         and attn.device == device
         and shapes.device == device
-    )
-    if level_start_index is not None:
-        ok = ok and (
-            level_start_index.dtype in _INDICES
-            and level_start_index.layout == torch.strided
-            and level_start_index.shape == (loc.shape[3],)
-            and level_start_index.device == device
+        and (
+            starts is None
+            or (
+                not starts.is_nested
+                and starts.dtype in _INDICES
+                and starts.layout == torch.strided
+                and starts.shape == (loc.shape[3],)
+                and starts.device == device
+            )
         )
-    if not ok:
-        starts = level_start_index
-        if starts is None:
-            validation.check_tensor("spatial_shapes", spatial_shapes)
-            starts = torch.zeros(spatial_shapes.shape[:1], dtype=torch.int64, device=spatial_shapes.device)
-        validation.check_forward_args(value, spatial_shapes, starts, sampling_locations, attention_weights)
-        raise AssertionError("msda: the fast argument check and the operator's disagree")  # unreachable
+    )
+
+
+def _check(value, spatial_shapes, level_start_index, sampling_locations, attention_weights) -> None:
+    """Raise the operator's error for a call outside its contract: a few comparisons for a valid
+    call, the operator's full checks for anything unusual."""
+    try:
+        if _looks_valid(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+            return
+    except Exception:  # noqa: BLE001  (anything odd: the full checks say what)
+        pass
+    starts = level_start_index
+    if starts is None:
+        validation.check_tensor("spatial_shapes", spatial_shapes)
+        starts = torch.zeros(spatial_shapes.shape[:1], dtype=torch.int64, device=spatial_shapes.device)
+    validation.check_forward_args(value, spatial_shapes, starts, sampling_locations, attention_weights)
+    raise AssertionError("msda: the fast argument check and the operator's disagree")  # unreachable
 
 
 def _contiguous(*tensors: Tensor | None):
@@ -154,7 +169,7 @@ def _starts(spatial_shapes: Tensor, level_start_index: Tensor | None) -> Tensor:
 def backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
     """(grad_value, grad_loc, grad_attn): the backward kernel where eligible, else the operator."""
     if (
-        eligible(value, grad_output, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+        eligible(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_output)
         and not torch.are_deterministic_algorithms_enabled()
         and not torch.is_grad_enabled()
     ):

@@ -35,3 +35,15 @@ def test_a_whole_row_per_load_instruction():
             threads_per_row = c["CHUNK"] // (16 // element_size)
             assert threads_per_row * 16 == 32 * element_size and c["BLOCK_D"] == c["CHUNK"]
             assert c["num_warps"] * 32 == c["BLOCK_Q"] * c["GROUPS"] * threads_per_row
+
+
+def test_programs_fit_the_thread_limit():
+    """No launch setting asks for more than 512 threads a program, whatever the row width
+    (D = 256 in float64 is 128 loads of 16 bytes; the hardware limit is 1024)."""
+    for config in (launch.forward_config(4, 4, 32, torch.float32), launch.backward_config(4, 4, 32, torch.float32)):
+        for head_dim in (1, 3, 8, 24, 32, 48, 64, 96, 256):
+            for element_size in (2, 4, 8):
+                for points in (1, 2, 4, 8):
+                    c = config.constexprs(head_dim, element_size, points)
+                    threads = c["BLOCK_Q"] * c["GROUPS"] * max(1, c["CHUNK"] // max(1, 16 // element_size))
+                    assert c["num_warps"] * 32 <= 512 and threads <= 512, (head_dim, element_size, points, c)

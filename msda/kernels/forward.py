@@ -7,20 +7,8 @@ from .sampling import finite_or_nan, level_ok, place_sample
 
 
 @triton.jit
-def _widen(v, COMPUTE: tl.constexpr, PACKED: tl.constexpr):
-    """Loaded value rows in the compute dtype; PACKED: int32 words of two bfloat16 channels,
-    returned as (even channels, odd channels). A bfloat16 is the top half of a float32, so each
-    widens with one integer op (Triton's conversion takes about two)."""
-    if PACKED:
-        return (v << 16).to(tl.float32, bitcast=True), (v & -65536).to(tl.float32, bitcast=True)
-    else:
-        return v.to(COMPUTE), v
-
-
-@triton.jit
 def _sample_level(
     acc,
-    acc_odd,
     start,
     level,
     value_ptr,
@@ -42,10 +30,8 @@ def _sample_level(
     UNROLL: tl.constexpr,
     COMPUTE: tl.constexpr,
     LEVEL_STARTS: tl.constexpr,
-    PACKED: tl.constexpr,
 ):
-    """Add the level's samples to `acc` (and `acc_odd`: the odd channels when PACKED); returns
-    them and the next level's first row. HEAD_DIM counts the loaded elements (words if PACKED)."""
+    """Add the level's samples to `acc`; returns it and the next level's first row."""
     ROW: tl.constexpr = NUM_HEADS * HEAD_DIM  # elements between horizontally adjacent pixels
     h = tl.load(shapes_ptr + 2 * level).to(b.dtype)
     w = tl.load(shapes_ptr + 2 * level + 1).to(b.dtype)
@@ -74,31 +60,15 @@ def _sample_level(
             corner = (level_row + (y0 * w + x0) * NUM_HEADS) * HEAD_DIM
             corner = corner[:, :, None, None] + channel
             below = corner + w * ROW
-            v = tl.load(value_ptr + corner, mask=(left & top)[:, :, None, None] & d_ok, other=0)
-            v, v_odd = _widen(v, COMPUTE, PACKED)
-            weight = (attn_top * (1.0 - fx))[:, :, None, None]
-            acc += weight * v
-            if PACKED:
-                acc_odd += weight * v_odd
-            v = tl.load(value_ptr + corner + ROW, mask=(right & top)[:, :, None, None] & d_ok, other=0)
-            v, v_odd = _widen(v, COMPUTE, PACKED)
-            weight = (attn_top * fx)[:, :, None, None]
-            acc += weight * v
-            if PACKED:
-                acc_odd += weight * v_odd
-            v = tl.load(value_ptr + below, mask=(left & bottom)[:, :, None, None] & d_ok, other=0)
-            v, v_odd = _widen(v, COMPUTE, PACKED)
-            weight = (attn_bottom * (1.0 - fx))[:, :, None, None]
-            acc += weight * v
-            if PACKED:
-                acc_odd += weight * v_odd
-            v = tl.load(value_ptr + below + ROW, mask=(right & bottom)[:, :, None, None] & d_ok, other=0)
-            v, v_odd = _widen(v, COMPUTE, PACKED)
-            weight = (attn_bottom * fx)[:, :, None, None]
-            acc += weight * v
-            if PACKED:
-                acc_odd += weight * v_odd
-    return acc, acc_odd, start + h * w
+            v = tl.load(value_ptr + corner, mask=(left & top)[:, :, None, None] & d_ok, other=0.0)
+            acc += (attn_top * (1.0 - fx))[:, :, None, None] * v.to(COMPUTE)
+            v = tl.load(value_ptr + corner + ROW, mask=(right & top)[:, :, None, None] & d_ok, other=0.0)
+            acc += (attn_top * fx)[:, :, None, None] * v.to(COMPUTE)
+            v = tl.load(value_ptr + below, mask=(left & bottom)[:, :, None, None] & d_ok, other=0.0)
+            acc += (attn_bottom * (1.0 - fx))[:, :, None, None] * v.to(COMPUTE)
+            v = tl.load(value_ptr + below + ROW, mask=(right & bottom)[:, :, None, None] & d_ok, other=0.0)
+            acc += (attn_bottom * fx)[:, :, None, None] * v.to(COMPUTE)
+    return acc, start + h * w
 
 
 # Q and S vary with the image: not specialized (16-divisibility would compile a second program).
@@ -125,7 +95,6 @@ def msda_forward_kernel(
     COMPUTE: tl.constexpr,  # tl.float32, or tl.float64 for float64 inputs
     INDEX_64: tl.constexpr,
     LEVEL_STARTS: tl.constexpr,  # False: level_start_index was not given, sum the level sizes
-    PACKED: tl.constexpr,  # value_ptr holds bfloat16 pairs as int32 words (HEAD_DIM counts words)
 ):
     # One program: BLOCK_Q queries of one (batch, head); neighbouring programs take the next
     # queries of the same head, so the programs that share an SM share that head's value rows
@@ -150,34 +119,27 @@ def msda_forward_kernel(
     first_param = ((b * num_queries + q[None, :]) * NUM_HEADS + m) * (NUM_LEVELS * NUM_POINTS)  # [1, BLOCK_Q]
 
     acc = tl.zeros([GROUPS, BLOCK_Q, BLOCK_D // CHUNK, CHUNK], dtype=COMPUTE)
-    acc_odd = acc  # the odd channels, when PACKED
     start = b * 0  # the level's first row, in the index dtype
     # A loop over levels, unrolled only where there are few samples in all: compile time grows
     # with the unrolled samples.
     if LEVELS_UNROLLED:
         for level in tl.static_range(NUM_LEVELS):
-            acc, acc_odd, start = _sample_level(
-                acc, acc_odd, start, level, value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr, b, m, first_param, q_ok,
+            acc, start = _sample_level(
+                acc, start, level, value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr, b, m, first_param, q_ok,
                 group, channel, num_values, NUM_HEADS, HEAD_DIM, NUM_POINTS, GROUPS, UNROLL, COMPUTE, LEVEL_STARTS,
-                PACKED,
             )  # fmt: skip
     else:
         for level in tl.range(0, NUM_LEVELS):
-            acc, acc_odd, start = _sample_level(
-                acc, acc_odd, start, level, value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr, b, m, first_param, q_ok,
+            acc, start = _sample_level(
+                acc, start, level, value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr, b, m, first_param, q_ok,
                 group, channel, num_values, NUM_HEADS, HEAD_DIM, NUM_POINTS, GROUPS, UNROLL, COMPUTE, LEVEL_STARTS,
-                PACKED,
             )  # fmt: skip
 
     out = tl.sum(acc, axis=0)  # [BLOCK_Q, BLOCK_D // CHUNK, CHUNK]
-    out_channel = tl.arange(0, BLOCK_D // CHUNK)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
-    CHANNELS: tl.constexpr = 2 * HEAD_DIM if PACKED else HEAD_DIM
-    if PACKED:  # word w holds channels 2w (its low half) and 2w + 1
-        out = tl.interleave(out, tl.sum(acc_odd, axis=0))
-        out_channel = tl.interleave(2 * out_channel, 2 * out_channel + 1)
     out_row = (b * num_queries + q) * NUM_HEADS + m
+    out_channel = tl.arange(0, BLOCK_D // CHUNK)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
     tl.store(
-        out_ptr + out_row[:, None, None] * CHANNELS + out_channel[None, :, :],
+        out_ptr + out_row[:, None, None] * HEAD_DIM + out_channel[None, :, :],
         out.to(out_ptr.dtype.element_ty),
-        mask=(q < num_queries)[:, None, None] & (out_channel < CHANNELS)[None, :, :],
+        mask=(q < num_queries)[:, None, None] & (out_channel < HEAD_DIM)[None, :, :],
     )

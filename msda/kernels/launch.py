@@ -9,10 +9,10 @@ program across image sizes. bench/tune.py passes its own settings instead.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
-import triton
 import triton.language as tl
 from torch import Tensor
 
@@ -20,44 +20,59 @@ from .backward import msda_backward_kernel
 from .forward import msda_forward_kernel
 
 
-MAX_UNROLL = 4
+MAX_UNROLL = 4  # points per group unrolled in one loop step
+MAX_THREADS = 512  # per program: wide rows (D = 256 in float64 is 128 loads of 16 bytes) take fewer queries
+
+
+def _cdiv(a: int, b: int) -> int:  # triton.cdiv is a jit function: microseconds a call from Python
+    return -(-a // b)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 class TileConfig(NamedTuple):
     """One program: `block_q` queries of one (batch, head); the points of each level split among
     `groups` thread groups; `threads_per_row` threads read each gathered value row, 16 bytes each
-    per load (0: as many as read the whole row in one load); `num_warps` follows from those."""
+    per load (0: as many as read the whole row in one load, up to a warp); `num_warps` follows.
+    Programs stay within MAX_THREADS threads (fewer queries, then fewer groups, for wide rows)."""
 
     block_q: int
     groups: int
     threads_per_row: int
-    unroll_levels: int = 16  # forward: unroll the level loop when L * K is at most this
+    unroll_levels: int = 0  # forward: unroll the level loop when L * K is at most this
 
+    @functools.lru_cache(maxsize=256)
     def constexprs(self, head_dim: int, element_size: int, num_points: int) -> dict:
-        block_d = triton.next_power_of_2(head_dim)
+        block_d = _next_power_of_2(head_dim)
         vector = max(1, 16 // element_size)  # elements per 16-byte load
-        threads_per_row = self.threads_per_row or triton.cdiv(block_d, vector)
+        row_threads = max(1, block_d // vector)
+        threads_per_row = min(self.threads_per_row or row_threads, row_threads, 32)
         chunk = min(block_d, vector * threads_per_row)
-        groups = min(self.groups, triton.next_power_of_2(num_points))
-        # Up to 4 points per group unrolled, a loop over the rest: compile time stays bounded
-        # in K (and L: levels are a loop too).
-        unroll = min(triton.cdiv(num_points, groups), MAX_UNROLL)
-        threads = self.block_q * groups * max(1, chunk // vector)
+        block_q, groups = self.block_q, min(self.groups, _next_power_of_2(num_points))
+        while block_q > 1 and block_q * groups * threads_per_row > MAX_THREADS:
+            block_q //= 2
+        while groups > 1 and block_q * groups * threads_per_row > MAX_THREADS:
+            groups //= 2
+        # Up to MAX_UNROLL points per group unrolled, a loop over the rest: compile time stays
+        # bounded in K (and L: levels are a loop too).
         return dict(
-            BLOCK_Q=self.block_q,
+            BLOCK_Q=block_q,
             GROUPS=groups,
-            UNROLL=unroll,
+            UNROLL=min(_cdiv(num_points, groups), MAX_UNROLL),
             CHUNK=chunk,
             BLOCK_D=block_d,
-            num_warps=max(1, threads // 32),
+            num_warps=max(1, block_q * groups * threads_per_row // 32),
         )
 
 
 def forward_config(num_levels: int, num_points: int, head_dim: int, value_dtype: torch.dtype) -> TileConfig:
     """The forward's launch rule (bench/NOTES.md, entry 13, has the sweeps behind it): a whole
     value row per load instruction (fewer threads per row issue fewer instructions but cost
-    the L1 more wavefronts per byte), 16 queries, each level's points split in two groups."""
-    return TileConfig(block_q=16, groups=2, threads_per_row=0)
+    the L1 more wavefronts per byte), 16 queries, each level's points split in two groups, the
+    levels in a loop (unrolled, they won some cells and lost others by a few percent)."""
+    return TileConfig(block_q=16, groups=2, threads_per_row=0, unroll_levels=0)
 
 
 def backward_config(num_levels: int, num_points: int, head_dim: int, value_dtype: torch.dtype) -> TileConfig:
@@ -74,7 +89,14 @@ def compute_dtype(*tensors: Tensor):
 def needs_int64(*tensors: Tensor) -> bool:
     """Whether an element offset into any of `tensors` can reach 2**31 (then kernels index in
     int64; int32 otherwise, which saves registers on every gathered address)."""
-    return any(1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) >= 2**31 for t in tensors)
+    return any(_span(t) >= 2**31 for t in tensors)
+
+
+def _span(t: Tensor) -> int:
+    """1 + the largest element offset into `t`."""
+    if t.is_contiguous():
+        return t.numel()
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
 
 
 def forward_call(
@@ -93,11 +115,7 @@ def forward_call(
     _, Q, _, L, K, _ = sampling_locations.shape
     L, K, M, D = int(L), int(K), int(M), int(D)
     config = config or forward_config(L, K, D, value.dtype)
-    # bfloat16 rows load as int32 words of two channels, widened with integer ops (forward.py).
-    packed = value.dtype == torch.bfloat16 and D % 2 == 0
-    if packed:
-        value, D = value.view(torch.int32), D // 2
-    constexprs = config.constexprs(D, value.element_size(), K)
+    constexprs = dict(config.constexprs(D, value.element_size(), K))
     constexprs.update(
         NUM_HEADS=M,
         HEAD_DIM=D,
@@ -107,9 +125,8 @@ def forward_call(
         COMPUTE=compute_dtype(value, sampling_locations, attention_weights),
         INDEX_64=needs_int64(value, sampling_locations, out),
         LEVEL_STARTS=level_start_index is not None,
-        PACKED=packed,
     )
-    grid = (triton.cdiv(Q, constexprs["BLOCK_Q"]) * B * M,)
+    grid = (_cdiv(Q, constexprs["BLOCK_Q"]) * B * M,)
     starts = spatial_shapes if level_start_index is None else level_start_index  # unread if None
     args = (value, spatial_shapes, starts, sampling_locations, attention_weights, out, Q, S)
     return grid, args, constexprs
@@ -134,7 +151,7 @@ def backward_call(
     _, Q, _, L, K, _ = sampling_locations.shape
     L, K, M, D = int(L), int(K), int(M), int(D)
     config = config or backward_config(L, K, D, value.dtype)
-    constexprs = config.constexprs(D, value.element_size(), K)
+    constexprs = dict(config.constexprs(D, value.element_size(), K))
     constexprs.update(
         NUM_HEADS=M,
         HEAD_DIM=D,
@@ -144,7 +161,7 @@ def backward_call(
         INDEX_64=needs_int64(value, sampling_locations, grad_output),
         LEVEL_STARTS=level_start_index is not None,
     )
-    grid = (triton.cdiv(Q, constexprs["BLOCK_Q"]) * B * M,)
+    grid = (_cdiv(Q, constexprs["BLOCK_Q"]) * B * M,)
     args = (
         grad_output,
         grad_output.stride(0),
