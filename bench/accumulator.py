@@ -14,13 +14,14 @@ import dataclasses
 
 import torch
 
-import msda  # noqa: F401
-from msda import ops
+from msda.kernels import launch
+from msda.kernels.backward import grad_value_accumulator_dtype
 from msda.testing import PRESETS, TOLERANCE, make_inputs, reference_with_grads, relative_error
+
+from .tune import backward_launch
 
 
 def main() -> None:
-    rule = ops.grad_value_accumulator_dtype
     shapes = [("decoder", PRESETS["decoder"]), ("decoder Q=900", dataclasses.replace(PRESETS["decoder"], queries=900)),
               ("encoder", PRESETS["encoder"])]
     print(f"{'shape':14s} {'dist':8s} {'dtype':9s} {'native':>9s} {'float32':>9s} {'bound':>8s} rule picks")
@@ -31,12 +32,12 @@ def main() -> None:
                 grad = torch.randn(shape.batch, shape.queries, shape.heads * shape.head_dim, device="cuda", dtype=dtype)
                 expected = reference_with_grads(inputs, grad)[1]
                 errors = {}
-                for accumulator in (dtype, torch.float32):
-                    ops.grad_value_accumulator_dtype = lambda *a, acc=accumulator: acc
-                    grad_value = torch.ops.msda.backward(grad, *inputs.args())[0]
+                for accumulator in (dtype, torch.float32):  # the kernel scatters into this buffer
+                    tile = launch.backward_config(len(shape.levels), shape.points, shape.head_dim, dtype)
+                    run, (grad_value, _, _) = backward_launch(inputs, grad, tile, accumulator)
+                    run()
                     errors[accumulator] = relative_error(grad_value, expected)
-                ops.grad_value_accumulator_dtype = rule
-                picked = rule(dtype, inputs.value.device, shape.queries, shape.num_values, len(shape.levels), shape.points)
+                picked = grad_value_accumulator_dtype(dtype, inputs.value.device, shape.queries, shape.num_values, len(shape.levels), shape.points)
                 print(f"{name:14s} {dist:8s} {str(dtype)[6:]:9s} {errors[dtype]:9.2e} {errors[torch.float32]:9.2e} "
                       f"{TOLERANCE[dtype]:8.1e} {str(picked)[6:]}")
 

@@ -1,11 +1,15 @@
-"""Sweep the kernels' launch heuristics at the presets of docs/benchmarking.md.
+"""Sweep the kernels' launch settings at the presets of docs/benchmarking.md.
 
     python -m bench.tune [--presets decoder encoder] [--dtypes float32 float16 bfloat16]
-                         [--kernels fwd bwd] [--forward 2048,4,1 1024,2,1 ...] [--backward 1024,4 ...]
+                         [--dists uniform local] [--kernels fwd bwd]
+                         [--forward 16,2,0 8,2,0 ...] [--backward 4,4,0 ...]
 
-Device time by CUDA-graph replay of the operator calls (uniform locations), one line per
-(kernel, preset, dtype, variant), and the peer deformops beside it when importable. Used to
-choose the FORWARD_*/BACKWARD_* constants in msda/kernels; bench/NOTES.md logs the choices.
+Each variant is a msda.kernels.launch.TileConfig (block_q,groups,threads_per_row[,unroll_levels];
+threads_per_row 0 reads a whole row per load), launched explicitly through the same argument
+builders as the operator: nothing in msda is patched. Device time by CUDA-graph replay of the
+kernel launches (the backward's zeroing of grad_value included), every variant's output checked
+against the float64 reference in the same run, and the peer deformops beside it when importable.
+bench/NOTES.md logs what the sweeps chose.
 """
 
 from __future__ import annotations
@@ -14,115 +18,101 @@ import argparse
 
 import torch
 
-import msda
-from msda.kernels import backward as backward_kernel
-from msda.kernels import forward as forward_kernel
-from msda.testing import PRESETS, make_inputs
+from msda.kernels import launch
+from msda.kernels.backward import grad_value_accumulator_dtype, msda_backward_kernel
+from msda.kernels.forward import msda_forward_kernel
+from msda.testing import PRESETS, make_inputs, reference, reference_with_grads, relative_error
 
-from .timing import graph_device_time, profiler_device_time
-from .variants import DTYPES, Unavailable, deformops_msda
+from .timing import graph_device_time
+from .variants import DISTS, DTYPES, Unavailable, deformops_msda
 
-# Forward: (bytes of value rows per corner per step, warps, samples per step); backward:
-# (elements, warps). 2048 bytes at 4 warps is one 16-byte load per thread.
-FORWARD_SWEEP = [
-    (2048, 4, 1),
-    (1024, 4, 1),
-    (4096, 4, 1),
-    (1024, 2, 1),
-    (2048, 2, 1),
-    (4096, 8, 1),
-    (4096, 4, 2),
-    (16384, 4, 16),
-]
-BACKWARD_SWEEP = [(1024, 4), (1024, 2), (2048, 4)]
+T = launch.TileConfig
+FORWARD_SWEEP = [T(16, 2, 0), T(8, 2, 0), T(32, 2, 0), T(16, 1, 0), T(8, 4, 0), T(16, 2, 0, 16), T(16, 1, 2)]
+BACKWARD_SWEEP = [T(4, 4, 0), T(2, 4, 0), T(8, 2, 0), T(4, 1, 0), T(16, 1, 0)]
 
 
-def _configure_forward(tile_bytes: int, warps: int, max_block_lk: int) -> None:
-    forward_kernel.FORWARD_TILE_BYTES = tile_bytes
-    forward_kernel.FORWARD_NUM_WARPS = warps
-    forward_kernel.FORWARD_MAX_BLOCK_LK = max_block_lk
+def forward_launch(inputs, tile: launch.TileConfig):
+    """(a callable launching the forward kernel with `tile`, its output buffer)."""
+    value, shapes, starts, loc, attn = inputs.args()
+    B, _, M, D = value.shape
+    out = value.new_empty(B, loc.shape[1], M * D)
+    grid, args, constexprs = launch.forward_call(value, shapes, starts, loc, attn, out, tile)
+    return lambda: msda_forward_kernel[grid](*args, **constexprs), out
 
 
-def _configure_backward(tile: int, warps: int) -> None:
-    backward_kernel.BACKWARD_TILE_ELEMENTS = tile
-    backward_kernel.BACKWARD_NUM_WARPS = warps
+def backward_launch(inputs, grad_output, tile: launch.TileConfig, accumulator: torch.dtype | None = None):
+    """(a callable zeroing grad_value and launching the backward kernel with `tile`, its three
+    gradient buffers); grad_value accumulates in `accumulator` (default: the operator's rule)."""
+    value, shapes, starts, loc, attn = inputs.args()
+    B, S, M, D = value.shape
+    Q, L, K = loc.shape[1], loc.shape[3], loc.shape[4]
+    accumulator = accumulator or grad_value_accumulator_dtype(value.dtype, value.device, Q, S, L, K)
+    grads = (torch.zeros(value.shape, dtype=accumulator, device=value.device), torch.empty_like(loc),
+             torch.empty_like(attn))  # fmt: skip
+    grid, args, constexprs = launch.backward_call(grad_output, value, shapes, starts, loc, attn, *grads, tile)
+
+    def run():
+        grads[0].zero_()
+        msda_backward_kernel[grid](*args, **constexprs)
+
+    return run, grads
 
 
-def _autograd_backward(forward, args, grad):
-    value, shapes, starts, loc, attn = (a.detach().requires_grad_(a.is_floating_point()) for a in args)
-    out = forward(value, shapes, starts, loc, attn)
-    return lambda: torch.autograd.grad(out, (value, loc, attn), grad, retain_graph=True)
+def _tiles(text: str) -> launch.TileConfig:
+    return T(*(int(n) for n in text.split(",")))
 
 
-def _comma_ints(text: str) -> tuple[int, ...]:
-    return tuple(int(n) for n in text.split(","))
-
-
-def _deformops():
-    try:
-        return deformops_msda(), ""
-    except Unavailable as e:
-        return None, str(e)
+def _name(tile: launch.TileConfig) -> str:
+    return ",".join(str(n) for n in tile)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", nargs="+", default=["decoder", "encoder"], choices=sorted(PRESETS))
-    parser.add_argument("--kernels", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
-    parser.add_argument(
-        "--forward",
-        nargs="+",
-        type=_comma_ints,
-        default=FORWARD_SWEEP,
-        metavar="BYTES,WARPS,SAMPLES",
-        help="forward variants to time (default: FORWARD_SWEEP)",
-    )
-    parser.add_argument(
-        "--backward",
-        nargs="+",
-        type=_comma_ints,
-        default=BACKWARD_SWEEP,
-        metavar="ELEMENTS,WARPS",
-        help="backward variants to time (default: BACKWARD_SWEEP)",
-    )
+    parser.add_argument("--dists", nargs="+", default=["uniform"], choices=DISTS)
+    parser.add_argument("--kernels", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
+    parser.add_argument("--forward", nargs="+", type=_tiles, default=FORWARD_SWEEP, metavar="Q,G,T[,U]")
+    parser.add_argument("--backward", nargs="+", type=_tiles, default=BACKWARD_SWEEP, metavar="Q,G,T")
     opts = parser.parse_args()
 
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
-    peer, why = _deformops()
-    if peer is None:
-        print(why)
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  (graph replay, µs; relative error)")
+    try:
+        peer = deformops_msda()
+    except Unavailable as e:
+        peer = None
+        print(e)
     for preset in opts.presets:
-        for dtype_name in opts.dtypes:
-            args = make_inputs(PRESETS[preset], DTYPES[dtype_name], "cuda", seed=0).args()
-            grad = torch.randn_like(torch.ops.msda.forward(*args))
-            cell = f"{preset:8s} {dtype_name:9s}"
-            for variant in opts.forward if "fwd" in opts.kernels else []:
-                _configure_forward(*variant)
-                run = lambda: torch.ops.msda.forward(*args)  # noqa: E731
-                # Both timers: the issue's floor is judged on the profiler's number.
-                print(f"fwd {cell} {variant}  graph {graph_device_time(run)}  profiler {profiler_device_time(run)}")
-            for variant in opts.backward if "bwd" in opts.kernels else []:
-                _configure_backward(*variant)
-                t = graph_device_time(lambda: torch.ops.msda.backward(grad, *args), calls=10, replays=5)
-                print(f"bwd {cell} {variant}  {t}")
-            backward = "bwd" in opts.kernels
-            if backward:
-                _configure_backward(*opts.backward[0])
-                # The profiler, not graph replay: autograd's backward waits on the stream its
-                # forward ran on, which a capture on a side stream may not depend on.
-                t = profiler_device_time(_autograd_backward(msda.multi_scale_deformable_attention, args, grad), 10, 3)
-                print(f"bwd {cell} msda autograd.grad (profiler) {t}")
-            if peer is not None:
-                try:
-                    print(f"fwd {cell} deformops {graph_device_time(lambda: peer(*args))}")
-                    if backward:
-                        t = profiler_device_time(_autograd_backward(peer, args, grad), 10, 3)
-                        print(f"bwd {cell} deformops autograd.grad (profiler) {t}")
-                except Exception as e:  # a peer's failure is a line, not a crash
-                    print(f"deformops failed: {type(e).__name__}: {e}")
-            del args, grad
-            torch.cuda.empty_cache()
+        for dist in opts.dists:
+            for dtype_name in opts.dtypes:
+                dtype = DTYPES[dtype_name]
+                inputs = make_inputs(PRESETS[preset], dtype, "cuda", loc_dtype=torch.float32, dist=dist, seed=3)
+                cell = f"{preset} {dist} {dtype_name}"
+                if "fwd" in opts.kernels:
+                    expected = reference(inputs.value, inputs.spatial_shapes, inputs.sampling_locations,
+                                         inputs.attention_weights)  # fmt: skip
+                    line = []
+                    for tile in opts.forward:
+                        run, out = forward_launch(inputs, tile)
+                        t = graph_device_time(run)
+                        line.append(f"{_name(tile)}: {t.median_us:.1f} ({relative_error(out, expected):.0e})")
+                    if peer is not None:  # the peer takes one float dtype for all inputs
+                        args = [a.to(dtype) if a.is_floating_point() else a for a in inputs.args()]
+                        line.append(f"deformops: {graph_device_time(lambda: peer(*args)).median_us:.1f}")
+                    print(f"fwd {cell} | " + "  ".join(line), flush=True)
+                if "bwd" in opts.kernels:
+                    Q, M, D = PRESETS[preset].queries, PRESETS[preset].heads, PRESETS[preset].head_dim
+                    grad = torch.randn(inputs.value.shape[0], Q, M * D, device="cuda").to(dtype)
+                    expected = reference_with_grads(inputs, grad)[1:]
+                    line = []
+                    for tile in opts.backward:
+                        run, grads = backward_launch(inputs, grad, tile)
+                        t = graph_device_time(run, calls=10, replays=5)
+                        worst = max(relative_error(g, r) for g, r in zip(grads, expected))
+                        line.append(f"{_name(tile)}: {t.median_us:.1f} ({worst:.0e})")
+                    print(f"bwd {cell} | " + "  ".join(line), flush=True)
+                del inputs
+                torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
