@@ -260,3 +260,20 @@ def test_smoke_preset_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (again / "results.md").read_text() == markdown
     assert (again / "results.png").stat().st_size > 0
+
+
+@pytest.mark.transformers
+def test_detr_preset_runs_stock_and_patched():
+    """bench.detr builds a transformers Deformable DETR twice, patches one with msda, and times
+    both (a tiny model on CPU here): every eager row has both times and a speed-up."""
+    pytest.importorskip("transformers")
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.detr", "--smoke", "--no-compile", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("│ inference") or line.startswith("│ training")]
+    assert len(rows) == 4 and not any("failed" in row for row in rows), result.stdout
+    assert all(row.rstrip("│ ").endswith("x") for row in rows), result.stdout
