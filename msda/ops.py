@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from . import torch_impl
-from .validation import check_backward_args, check_forward_args
+from .validation import check_backward_args, check_forward_args, check_level_data
 
 try:
     import triton
@@ -87,6 +87,7 @@ def forward(
     attention_weights: Tensor,
 ) -> Tensor:
     check_forward_args(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    level_start_index = check_level_data(value, spatial_shapes, level_start_index)
     if not uses_triton(value.device):
         return torch_impl.forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
 
@@ -128,6 +129,7 @@ def backward(
     attention_weights: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
     check_backward_args(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    level_start_index = check_level_data(value, spatial_shapes, level_start_index)
     # The kernel's atomic adds sum grad_value in whatever order they land, so its last bits vary
     # run to run. Under torch.use_deterministic_algorithms(True) the pure-PyTorch backward runs
     # instead: its index_add is deterministic in that mode (sorted on CUDA), bitwise run to run.
