@@ -24,6 +24,7 @@ import contextlib
 import os
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 from torch import Tensor
 
 def _validate_from_environment() -> bool:
@@ -274,3 +275,22 @@ def _check_levels_op(num_values: int, spatial_shapes: Tensor, level_start_index:
 @_check_levels_op.register_fake
 def _check_levels_fake(num_values, spatial_shapes, level_start_index):
     return torch.empty_like(level_start_index, memory_format=torch.contiguous_format)
+
+
+def reject_forward_ad(op: str) -> None:
+    """Raise where `torch.ops.msda.<op>` is called with forward-mode AD in effect: the operator
+    has no forward-AD formula, and PyTorch would otherwise drop the tangents and return zeros.
+
+    Forward AD is in effect when a dual level is open (torch.autograd.forward_ad.dual_level, which
+    torch.func.jvp and jacfwd open too) and forward gradients are enabled (an autograd.Function's
+    forward and jvp run with them disabled, so an operator called from there passes). Whether
+    the inputs carry tangents cannot be seen here under torch.func (they arrive unwrapped), so a
+    call on tangent-free inputs inside a dual level raises too.
+    """
+    if forward_ad._current_level >= 0 and torch._C._is_fwd_grad_enabled():
+        raise RuntimeError(
+            f"msda: torch.ops.msda.{op} has no forward-mode AD formula and was called with "
+            "forward-mode AD in effect (torch.func.jvp, torch.func.jacfwd, torch.func.hessian or "
+            "torch.autograd.forward_ad), where it would return zero tangents: call it outside "
+            "forward-mode AD, or from an autograd.Function whose jvp uses msda.derivatives.forward_jvp"
+        )
