@@ -1,6 +1,7 @@
 """msda.MultiScaleDeformableAttention is Deformable DETR's MSDeformAttn: parameters, init, forward."""
 
 import math
+import re
 import warnings
 
 import pytest
@@ -158,3 +159,85 @@ def test_reference_points_must_end_in_2_or_4():
     inputs["reference_points"] = torch.rand(2, 5, LEVELS, 3)
     with pytest.raises(ValueError, match="reference_points must end in 2"):
         layer(**inputs)
+
+
+# The layer checks its own arguments as the operator does (issue 15, item 5): each case edits
+# valid arguments into invalid ones; the error names the argument and what was expected.
+def _edit(name, change):
+    return lambda args: {**args, name: change(args[name])}
+
+
+LAYER_BAD_CALLS = [
+    # (id, edit, error, argument named)
+    ("query-width", _edit("query", lambda t: t[..., :-1]), ValueError, "query"),
+    ("query-2d", _edit("query", lambda t: t[0]), ValueError, "query"),
+    ("query-list", _edit("query", lambda t: t.tolist()), TypeError, "query"),
+    ("query-int", _edit("query", lambda t: t.long()), TypeError, "query"),
+    ("input_flatten-width", _edit("input_flatten", lambda t: torch.cat([t, t[..., :1]], -1)), ValueError, "input_flatten"),
+    ("input_flatten-batch", _edit("input_flatten", lambda t: t[:1]), ValueError, "input_flatten"),
+    ("input_flatten-4d", _edit("input_flatten", lambda t: t[None]), ValueError, "input_flatten"),
+    ("input_flatten-None", _edit("input_flatten", lambda t: None), TypeError, "input_flatten"),
+    ("reference_points-one-level", _edit("reference_points", lambda t: t[:, :, :1]), ValueError, "reference_points"),
+    ("reference_points-extra-level", _edit("reference_points", lambda t: torch.cat([t, t[:, :, :1]], 2)), ValueError, "reference_points"),
+    ("reference_points-3d", _edit("reference_points", lambda t: t[:, :, 0]), ValueError, "reference_points"),
+    ("reference_points-xyz", _edit("reference_points", lambda t: t[..., [0, 1, 1]]), ValueError, "reference_points"),
+    ("reference_points-batch", _edit("reference_points", lambda t: t[:1]), ValueError, "reference_points"),
+    ("reference_points-queries", _edit("reference_points", lambda t: t[:, :2]), ValueError, "reference_points"),
+    ("reference_points-int", _edit("reference_points", lambda t: t.long()), TypeError, "reference_points"),
+    ("input_spatial_shapes-levels", _edit("input_spatial_shapes", lambda t: t[:1]), ValueError, "input_spatial_shapes"),
+    ("input_spatial_shapes-float", _edit("input_spatial_shapes", lambda t: t.float()), TypeError, "input_spatial_shapes"),
+    ("input_spatial_shapes-1d", _edit("input_spatial_shapes", lambda t: t.flatten()), ValueError, "input_spatial_shapes"),
+    ("input_spatial_shapes-Lx3", _edit("input_spatial_shapes", lambda t: t[:, [0, 1, 1]]), ValueError, "input_spatial_shapes"),
+    ("input_spatial_shapes-list", _edit("input_spatial_shapes", lambda t: t.tolist()), TypeError, "input_spatial_shapes"),
+    ("input_level_start_index-levels", _edit("input_level_start_index", lambda t: t[:1]), ValueError, "input_level_start_index"),
+    ("input_level_start_index-float", _edit("input_level_start_index", lambda t: t.float()), TypeError, "input_level_start_index"),
+    ("input_padding_mask-one-row", _edit("input_padding_mask", lambda t: t[0]), ValueError, "input_padding_mask"),
+    ("input_padding_mask-batch", _edit("input_padding_mask", lambda t: t[:1]), ValueError, "input_padding_mask"),
+    ("input_padding_mask-tokens", _edit("input_padding_mask", lambda t: t[:, 1:]), ValueError, "input_padding_mask"),
+    ("input_padding_mask-3d", _edit("input_padding_mask", lambda t: t[..., None]), ValueError, "input_padding_mask"),
+    ("input_padding_mask-float", _edit("input_padding_mask", lambda t: t.float()), TypeError, "input_padding_mask"),
+    ("input_padding_mask-uint8", _edit("input_padding_mask", lambda t: t.to(torch.uint8)), TypeError, "input_padding_mask"),
+    ("input_padding_mask-device", _edit("input_padding_mask", lambda t: t.to("meta")), ValueError, "input_padding_mask"),
+    ("input_flatten-device", _edit("input_flatten", lambda t: t.to("meta")), ValueError, "input_flatten"),
+]
+
+
+@pytest.mark.parametrize("edit,error,argument", [c[1:] for c in LAYER_BAD_CALLS], ids=[c[0] for c in LAYER_BAD_CALLS])
+def test_layer_rejects_bad_arguments_naming_them(edit, error, argument):
+    layer = msda.MultiScaleDeformableAttention(D_MODEL, LEVELS, HEADS, POINTS)
+    args = edit(_inputs(2))
+    with pytest.raises((TypeError, ValueError)) as info:
+        layer(**args)
+    message = str(info.value)
+    assert isinstance(info.value, error), f"{type(info.value).__name__}: {message}"
+    assert re.search(rf"\b{argument}\b", message), message
+    assert re.search(r"\b(must|expected)\b", message), message
+
+
+def test_layer_token_count_against_the_levels_is_the_operators_error():
+    """Len_in against sum(H_l * W_l) reads the shapes' data: the operator checks it (on CPU
+    always, on CUDA under msda.validate())."""
+    layer = msda.MultiScaleDeformableAttention(D_MODEL, LEVELS, HEADS, POINTS)
+    args = _inputs(2)
+    args["input_flatten"] = args["input_flatten"][:, :-1]
+    args["input_padding_mask"] = args["input_padding_mask"][:, :-1]
+    with pytest.raises(ValueError, match=r"value has S = 59 rows.*expected sum\(H_l \* W_l\) = 60"):
+        layer(**args)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error",
+    [
+        (dict(n_heads=True), TypeError),
+        (dict(n_points=2.0), TypeError),
+        (dict(d_model="256"), TypeError),
+        (dict(n_levels=None), TypeError),
+        (dict(n_levels=-1), ValueError),
+        (dict(n_points=0), ValueError),
+    ],
+    ids=["bool-heads", "float-points", "str-d_model", "None-levels", "negative-levels", "zero-points"],
+)
+def test_constructor_rejects_non_positive_ints(kwargs, error):
+    (name,) = kwargs
+    with pytest.raises(error, match=rf"{name} must be a positive int"):
+        msda.MultiScaleDeformableAttention(**kwargs)
