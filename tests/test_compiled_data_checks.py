@@ -171,3 +171,12 @@ def test_msda_validate_rejects_other_values(monkeypatch):
     monkeypatch.setenv("MSDA_VALIDATE", "yes please")
     with pytest.raises(ValueError, match="MSDA_VALIDATE must be 1"):
         validation._validate_from_environment()
+
+
+def test_opcheck_of_the_check_operator():
+    args = valid_args()
+    torch.library.opcheck(
+        torch.ops.msda.check_levels.default, (16, args["spatial_shapes"], args["level_start_index"])
+    )
+    with pytest.raises(ValueError, match="expected sum"):
+        torch.ops.msda.check_levels(17, args["spatial_shapes"], args["level_start_index"])
