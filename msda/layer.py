@@ -174,7 +174,9 @@ class MultiScaleDeformableAttention(nn.Module):
             tensors["input_padding_mask"] = input_padding_mask
         for name, t in tensors.items():
             if t.device != query.device:
-                raise ValueError(f"{name} is on {t.device} but query is on {query.device}: all tensors must be on one device")
+                raise ValueError(
+                    f"{name} is on {t.device} but query is on {query.device}: all tensors must be on one device"
+                )
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -194,5 +196,6 @@ def _tensor(name: str, t: object, rank: int, dims: str, dtypes: tuple[torch.dtyp
 def _size(name: str, t: Tensor, dim: int, expected: int, what: str, source: str) -> None:
     if t.shape[dim] != expected:
         raise ValueError(
-            f"{name} has {t.shape[dim]} {what} (dim {dim} of shape {tuple(t.shape)}), expected {expected} as in {source}"
+            f"{name} has {t.shape[dim]} {what} (dim {dim} of shape {tuple(t.shape)}), "
+            f"expected {expected} as in {source}"
         )

@@ -27,6 +27,7 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 from torch import Tensor
 
+
 def _validate_from_environment() -> bool:
     setting = os.environ.get("MSDA_VALIDATE", "0").strip().lower()
     if setting not in ("", "0", "1", "false", "true", "off", "on"):

@@ -122,6 +122,9 @@ def main() -> int:
     if rank == 0 and args.out:
         with open(args.out, "w") as f:
             json.dump({**summary, "ok": ok, "errors": errors}, f, indent=1)
+    # Tear down together: a rank that closes its connections while the other still uses them
+    # made gloo abort the other at exit (once in several FSDP2 runs).
+    dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1
 

@@ -20,12 +20,13 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 
 import msda
-from msda import derivatives, ops
+from msda import derivatives
 from msda.testing import Inputs, Shape, reference, relative_error, tolerance
 
 from .test_edge_cases import backend, needs_interpreter
 
 PATHS = ["torch", pytest.param("triton", marks=needs_interpreter)]
+NO_FORWARD_AD = r"msda: torch\.ops\.msda\.{op} has no forward-mode AD"
 SHAPE = Shape(batch=2, queries=3, heads=2, head_dim=3, levels=((3, 4), (2, 3), (1, 1)), points=2)
 SMALL = Shape(batch=1, queries=2, heads=2, head_dim=2, levels=((3, 4), (2, 2)), points=2)
 
@@ -252,7 +253,7 @@ def test_forward_over_reverse_raises_naming_msda():
     mode, which it has no formula for: msda's error, not zeros."""
     inputs = smooth_inputs(SMALL, seed=24)
     f = with_jvp(inputs)
-    with backend("torch"), pytest.raises(RuntimeError, match=r"msda: torch\.ops\.msda\.backward has no forward-mode AD"):
+    with backend("torch"), pytest.raises(RuntimeError, match=NO_FORWARD_AD.format(op="backward")):
         torch.func.hessian(lambda loc: f(inputs.value, loc, inputs.attention_weights).sum())(inputs.sampling_locations)
 
 
@@ -283,7 +284,7 @@ def _dual_call(f, primals, direction):
 def test_operator_under_forward_mode_ad_raises_naming_msda(how, path):
     inputs = smooth_inputs(SMALL, seed=31)
     primals = (inputs.value, inputs.sampling_locations, inputs.attention_weights)
-    with backend(path), pytest.raises(RuntimeError, match=r"msda: torch\.ops\.msda\.(forward|backward) has no forward-mode AD"):
+    with backend(path), pytest.raises(RuntimeError, match=NO_FORWARD_AD.format(op="forward")):
         FORWARD_MODE_CALLS[how](_raw_forward(inputs), primals, tangents(inputs))
 
 
@@ -306,6 +307,7 @@ def test_functional_form_never_returns_zero_tangents(how):
 def test_operator_works_again_after_forward_mode_ad():
     inputs = smooth_inputs(SMALL, seed=34)
     with pytest.raises(RuntimeError):
-        _dual_call(_raw_forward(inputs), (inputs.value, inputs.sampling_locations, inputs.attention_weights), tangents(inputs))
+        primals = (inputs.value, inputs.sampling_locations, inputs.attention_weights)
+        _dual_call(_raw_forward(inputs), primals, tangents(inputs))
     expected = reference(inputs.value, inputs.spatial_shapes, inputs.sampling_locations, inputs.attention_weights)
     assert relative_error(torch.ops.msda.forward(*inputs.args()), expected) <= 1e-12

@@ -35,7 +35,8 @@ def torchrun(tmp_path: Path, *worker_args: str, timeout: int = 600) -> dict:
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, f"torchrun exited {result.returncode}:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    output = f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, f"torchrun exited {result.returncode}:\n{output}"
     summary = json.loads(out.read_text())
     assert summary["ok"] and summary["world"] == 2, summary
     return summary

@@ -163,42 +163,46 @@ def test_reference_points_must_end_in_2_or_4():
 
 # The layer checks its own arguments as the operator does (issue 15, item 5): each case edits
 # valid arguments into invalid ones; the error names the argument and what was expected.
-def _edit(name, change):
-    return lambda args: {**args, name: change(args[name])}
+def _bad(argument, what, change, error):
+    """(id, edit, error, argument): `change` applied to `argument` of valid layer inputs."""
+    return (f"{argument}-{what}", lambda args: {**args, argument: change(args[argument])}, error, argument)
+
+
+def _one_more(dim):
+    return lambda t: torch.cat([t, t.narrow(dim, 0, 1)], dim)
 
 
 LAYER_BAD_CALLS = [
-    # (id, edit, error, argument named)
-    ("query-width", _edit("query", lambda t: t[..., :-1]), ValueError, "query"),
-    ("query-2d", _edit("query", lambda t: t[0]), ValueError, "query"),
-    ("query-list", _edit("query", lambda t: t.tolist()), TypeError, "query"),
-    ("query-int", _edit("query", lambda t: t.long()), TypeError, "query"),
-    ("input_flatten-width", _edit("input_flatten", lambda t: torch.cat([t, t[..., :1]], -1)), ValueError, "input_flatten"),
-    ("input_flatten-batch", _edit("input_flatten", lambda t: t[:1]), ValueError, "input_flatten"),
-    ("input_flatten-4d", _edit("input_flatten", lambda t: t[None]), ValueError, "input_flatten"),
-    ("input_flatten-None", _edit("input_flatten", lambda t: None), TypeError, "input_flatten"),
-    ("reference_points-one-level", _edit("reference_points", lambda t: t[:, :, :1]), ValueError, "reference_points"),
-    ("reference_points-extra-level", _edit("reference_points", lambda t: torch.cat([t, t[:, :, :1]], 2)), ValueError, "reference_points"),
-    ("reference_points-3d", _edit("reference_points", lambda t: t[:, :, 0]), ValueError, "reference_points"),
-    ("reference_points-xyz", _edit("reference_points", lambda t: t[..., [0, 1, 1]]), ValueError, "reference_points"),
-    ("reference_points-batch", _edit("reference_points", lambda t: t[:1]), ValueError, "reference_points"),
-    ("reference_points-queries", _edit("reference_points", lambda t: t[:, :2]), ValueError, "reference_points"),
-    ("reference_points-int", _edit("reference_points", lambda t: t.long()), TypeError, "reference_points"),
-    ("input_spatial_shapes-levels", _edit("input_spatial_shapes", lambda t: t[:1]), ValueError, "input_spatial_shapes"),
-    ("input_spatial_shapes-float", _edit("input_spatial_shapes", lambda t: t.float()), TypeError, "input_spatial_shapes"),
-    ("input_spatial_shapes-1d", _edit("input_spatial_shapes", lambda t: t.flatten()), ValueError, "input_spatial_shapes"),
-    ("input_spatial_shapes-Lx3", _edit("input_spatial_shapes", lambda t: t[:, [0, 1, 1]]), ValueError, "input_spatial_shapes"),
-    ("input_spatial_shapes-list", _edit("input_spatial_shapes", lambda t: t.tolist()), TypeError, "input_spatial_shapes"),
-    ("input_level_start_index-levels", _edit("input_level_start_index", lambda t: t[:1]), ValueError, "input_level_start_index"),
-    ("input_level_start_index-float", _edit("input_level_start_index", lambda t: t.float()), TypeError, "input_level_start_index"),
-    ("input_padding_mask-one-row", _edit("input_padding_mask", lambda t: t[0]), ValueError, "input_padding_mask"),
-    ("input_padding_mask-batch", _edit("input_padding_mask", lambda t: t[:1]), ValueError, "input_padding_mask"),
-    ("input_padding_mask-tokens", _edit("input_padding_mask", lambda t: t[:, 1:]), ValueError, "input_padding_mask"),
-    ("input_padding_mask-3d", _edit("input_padding_mask", lambda t: t[..., None]), ValueError, "input_padding_mask"),
-    ("input_padding_mask-float", _edit("input_padding_mask", lambda t: t.float()), TypeError, "input_padding_mask"),
-    ("input_padding_mask-uint8", _edit("input_padding_mask", lambda t: t.to(torch.uint8)), TypeError, "input_padding_mask"),
-    ("input_padding_mask-device", _edit("input_padding_mask", lambda t: t.to("meta")), ValueError, "input_padding_mask"),
-    ("input_flatten-device", _edit("input_flatten", lambda t: t.to("meta")), ValueError, "input_flatten"),
+    _bad("query", "width", lambda t: t[..., :-1], ValueError),
+    _bad("query", "2d", lambda t: t[0], ValueError),
+    _bad("query", "list", lambda t: t.tolist(), TypeError),
+    _bad("query", "int", lambda t: t.long(), TypeError),
+    _bad("input_flatten", "width", _one_more(-1), ValueError),
+    _bad("input_flatten", "batch", lambda t: t[:1], ValueError),
+    _bad("input_flatten", "4d", lambda t: t[None], ValueError),
+    _bad("input_flatten", "None", lambda t: None, TypeError),
+    _bad("input_flatten", "device", lambda t: t.to("meta"), ValueError),
+    _bad("reference_points", "one-level", lambda t: t[:, :, :1], ValueError),
+    _bad("reference_points", "extra-level", _one_more(2), ValueError),
+    _bad("reference_points", "3d", lambda t: t[:, :, 0], ValueError),
+    _bad("reference_points", "xyz", lambda t: t[..., [0, 1, 1]], ValueError),
+    _bad("reference_points", "batch", lambda t: t[:1], ValueError),
+    _bad("reference_points", "queries", lambda t: t[:, :2], ValueError),
+    _bad("reference_points", "int", lambda t: t.long(), TypeError),
+    _bad("input_spatial_shapes", "levels", lambda t: t[:1], ValueError),
+    _bad("input_spatial_shapes", "float", lambda t: t.float(), TypeError),
+    _bad("input_spatial_shapes", "1d", lambda t: t.flatten(), ValueError),
+    _bad("input_spatial_shapes", "Lx3", lambda t: t[:, [0, 1, 1]], ValueError),
+    _bad("input_spatial_shapes", "list", lambda t: t.tolist(), TypeError),
+    _bad("input_level_start_index", "levels", lambda t: t[:1], ValueError),
+    _bad("input_level_start_index", "float", lambda t: t.float(), TypeError),
+    _bad("input_padding_mask", "one-row", lambda t: t[0], ValueError),
+    _bad("input_padding_mask", "batch", lambda t: t[:1], ValueError),
+    _bad("input_padding_mask", "tokens", lambda t: t[:, 1:], ValueError),
+    _bad("input_padding_mask", "3d", lambda t: t[..., None], ValueError),
+    _bad("input_padding_mask", "float", lambda t: t.float(), TypeError),
+    _bad("input_padding_mask", "uint8", lambda t: t.to(torch.uint8), TypeError),
+    _bad("input_padding_mask", "device", lambda t: t.to("meta"), ValueError),
 ]
 
 

@@ -149,4 +149,3 @@ def cases():
 def test_non_finite_weight_makes_its_output_nan(path, dtype, kind):
     with backend(path):
         check(build(dtype, kind))
-

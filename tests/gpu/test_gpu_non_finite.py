@@ -3,7 +3,6 @@ query, head) output NaN, with the gradients docs/correctness.md gives, through t
 Triton kernels and the pure-PyTorch path on CUDA, in every dtype."""
 
 import pytest
-import torch
 
 from ..test_edge_cases import backend
 from ..test_non_finite_weights import DTYPES, KERNEL_CHANGE_PENDING, KINDS, build, check
