@@ -12,6 +12,7 @@ stands one in, whose other ops raise a clear error.
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -126,10 +127,20 @@ def _is_compiled_ops_failure(error: ImportError) -> bool:
 
 
 class _MissingExtension(ModuleType):
-    """Stands in for mmcv's compiled `_ext` so that `mmcv.ops` imports; only MSDA works."""
+    """Stands in for mmcv's compiled `_ext` so that `mmcv.ops` imports; only MSDA works.
+
+    Its `__spec__` has no loader: `importlib.util.find_spec("mmcv._ext")` answers (a module in
+    sys.modules without a spec makes it raise ValueError, which broke mmengine's
+    `mmcv_full_available()` inside mmdet's `init_detector`), and `pkgutil.find_loader` finds no
+    loader, so mmengine truthfully sees no full mmcv (compiled ops) installed.
+    """
 
     ms_deform_attn_forward = staticmethod(ms_deform_attn_forward)
     ms_deform_attn_backward = staticmethod(ms_deform_attn_backward)
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.__spec__ = importlib.machinery.ModuleSpec(name, loader=None)
 
     def __getattr__(self, name: str):
         if name.startswith("_"):  # keep import machinery probes (__path__, __file__) truthful

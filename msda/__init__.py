@@ -9,6 +9,7 @@ Importing msda registers torch.ops.msda.forward and torch.ops.msda.backward.
 from . import ops  # noqa: F401  (registers torch.ops.msda.*)
 from .functional import level_start_index_from_shapes, multi_scale_deformable_attention
 from .layer import MultiScaleDeformableAttention
+from .validation import validate
 
 __version__ = "0.1.0"
 
@@ -16,5 +17,6 @@ __all__ = [
     "multi_scale_deformable_attention",
     "level_start_index_from_shapes",
     "MultiScaleDeformableAttention",
+    "validate",
     "__version__",
 ]

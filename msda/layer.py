@@ -28,7 +28,9 @@ class MultiScaleDeformableAttention(nn.Module):
     def __init__(self, d_model: int = 256, n_levels: int = 4, n_heads: int = 8, n_points: int = 4):
         super().__init__()
         for name, size in (("d_model", d_model), ("n_levels", n_levels), ("n_heads", n_heads), ("n_points", n_points)):
-            if not isinstance(size, int) or size < 1:
+            if not isinstance(size, int) or isinstance(size, bool):  # True is an int to Python
+                raise TypeError(f"{name} must be a positive int, got {size!r} ({type(size).__name__})")
+            if size < 1:
                 raise ValueError(f"{name} must be a positive int, got {size!r}")
         if d_model % n_heads != 0:
             raise ValueError(f"d_model must be divisible by n_heads, got d_model={d_model} and n_heads={n_heads}")
@@ -96,6 +98,9 @@ class MultiScaleDeformableAttention(nn.Module):
         Returns:
             (N, Len_q, d_model).
         """
+        self._check_args(
+            query, reference_points, input_flatten, input_spatial_shapes, input_level_start_index, input_padding_mask
+        )
         N, Len_q, _ = query.shape
         _, Len_in, _ = input_flatten.shape
         H, L, K = self.n_heads, self.n_levels, self.n_points
@@ -112,18 +117,85 @@ class MultiScaleDeformableAttention(nn.Module):
             # Offsets are in pixels of each level: divide by (W_l, H_l).
             wh = torch.stack((input_spatial_shapes[..., 1], input_spatial_shapes[..., 0]), dim=-1)
             locations = reference_points[:, :, None, :, None, :] + offsets / wh[None, None, None, :, None, :]
-        elif reference_points.shape[-1] == 4:
+        else:  # 4 coordinates, as _check_args made sure
             # Offsets are in units of half the box per point count: point i reaches (i + 1) / K half-boxes.
             centre = reference_points[:, :, None, :, None, :2]
             size = reference_points[:, :, None, :, None, 2:]
             locations = centre + offsets / K * size * 0.5
-        else:
-            raise ValueError(
-                "reference_points must end in 2 (x, y) or 4 (cx, cy, w, h) coordinates, "
-                f"got shape {tuple(reference_points.shape)}"
-            )
 
         output = multi_scale_deformable_attention(
             value, input_spatial_shapes, input_level_start_index, locations, weights
         )
         return self.output_proj(output)
+
+    def _check_args(
+        self,
+        query: Tensor,
+        reference_points: Tensor,
+        input_flatten: Tensor,
+        input_spatial_shapes: Tensor,
+        input_level_start_index: Tensor | None,
+        input_padding_mask: Tensor | None,
+    ) -> None:
+        """TypeError/ValueError naming the argument and the expected shape, as the operator's
+        checks do (metadata only: no host sync; the operator checks the level data)."""
+        d_model, L = self.d_model, self.n_levels
+        _tensor("query", query, 3, "(N, Len_q, d_model)", _FLOATS)
+        _tensor("reference_points", reference_points, 4, "(N, Len_q, n_levels, 2 or 4)", _FLOATS)
+        _tensor("input_flatten", input_flatten, 3, "(N, Len_in, d_model)", _FLOATS)
+        _tensor("input_spatial_shapes", input_spatial_shapes, 2, "(n_levels, 2)", _INTEGERS)
+        N, Len_q, Len_in = query.shape[0], query.shape[1], input_flatten.shape[1]
+        _size("query", query, 2, d_model, "channels", "d_model")
+        _size("input_flatten", input_flatten, 0, N, "batch entries", "query")
+        _size("input_flatten", input_flatten, 2, d_model, "channels", "d_model")
+        _size("reference_points", reference_points, 0, N, "batch entries", "query")
+        _size("reference_points", reference_points, 1, Len_q, "queries", "query")
+        _size("reference_points", reference_points, 2, L, "levels", "n_levels")
+        if reference_points.shape[3] not in (2, 4):
+            raise ValueError(
+                "reference_points must end in 2 (x, y) or 4 (cx, cy, w, h) coordinates, "
+                f"got shape {tuple(reference_points.shape)}"
+            )
+        _size("input_spatial_shapes", input_spatial_shapes, 0, L, "levels", "n_levels")
+        _size("input_spatial_shapes", input_spatial_shapes, 1, 2, "sizes per level", "(H, W)")
+        tensors = {
+            "reference_points": reference_points,
+            "input_flatten": input_flatten,
+            "input_spatial_shapes": input_spatial_shapes,
+        }
+        if input_level_start_index is not None:
+            _tensor("input_level_start_index", input_level_start_index, 1, "(n_levels,)", _INTEGERS)
+            _size("input_level_start_index", input_level_start_index, 0, L, "levels", "n_levels")
+            tensors["input_level_start_index"] = input_level_start_index
+        if input_padding_mask is not None:
+            _tensor("input_padding_mask", input_padding_mask, 2, "(N, Len_in)", (torch.bool,))
+            _size("input_padding_mask", input_padding_mask, 0, N, "batch entries", "query")
+            _size("input_padding_mask", input_padding_mask, 1, Len_in, "tokens", "input_flatten")
+            tensors["input_padding_mask"] = input_padding_mask
+        for name, t in tensors.items():
+            if t.device != query.device:
+                raise ValueError(
+                    f"{name} is on {t.device} but query is on {query.device}: all tensors must be on one device"
+                )
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INTEGERS = (torch.int32, torch.int64)
+
+
+def _tensor(name: str, t: object, rank: int, dims: str, dtypes: tuple[torch.dtype, ...]) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {dims}, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name} must have dtype {names}, got {t.dtype}")
+    if t.dim() != rank:
+        raise ValueError(f"{name} must be {rank}-D {dims}, got shape {tuple(t.shape)}")
+
+
+def _size(name: str, t: Tensor, dim: int, expected: int, what: str, source: str) -> None:
+    if t.shape[dim] != expected:
+        raise ValueError(
+            f"{name} has {t.shape[dim]} {what} (dim {dim} of shape {tuple(t.shape)}), "
+            f"expected {expected} as in {source}"
+        )

@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from . import torch_impl
-from .validation import check_backward_args, check_forward_args
+from . import derivatives, torch_impl
+from .validation import check_backward_args, check_forward_args, check_level_data, reject_forward_ad
 
 try:
     import triton  # noqa: F401
@@ -73,6 +73,8 @@ def forward(
     attention_weights: Tensor,
 ) -> Tensor:
     check_forward_args(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    reject_forward_ad("forward")
+    level_start_index = check_level_data(value, spatial_shapes, level_start_index)
     if not uses_triton(value.device):
         return torch_impl.forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
 
@@ -102,6 +104,8 @@ def backward(
     attention_weights: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
     check_backward_args(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    reject_forward_ad("backward")
+    level_start_index = check_level_data(value, spatial_shapes, level_start_index)
     # The kernel's atomic adds sum grad_value in whatever order they land, so its last bits vary
     # run to run. Under torch.use_deterministic_algorithms(True) the pure-PyTorch backward runs
     # instead: its index_add is deterministic in that mode (sorted on CUDA), bitwise run to run.
@@ -166,3 +170,7 @@ def _backward_rule(ctx, grad_output):
 
 
 forward.register_autograd(_backward_rule, setup_context=_setup_context)
+
+
+# The backward's own derivative (double backward: gradient penalties, Hessian-vector products).
+backward.register_autograd(derivatives.backward_backward, setup_context=derivatives.backward_setup_context)

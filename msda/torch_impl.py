@@ -74,6 +74,14 @@ def _corners(
             )
 
 
+def _weights(attention_weights: Tensor, ctype: torch.dtype) -> Tensor:
+    """The weights in `ctype`, a non-finite one (+-inf, NaN) replaced by NaN: such a sample makes
+    its (batch, query, head) output NaN whether or not it lands in its level, as the kernels do
+    (docs/correctness.md, "Non-finite attention weights")."""
+    attn = attention_weights.to(ctype)
+    return torch.where(torch.isfinite(attn), attn, torch.nan)
+
+
 def _gather(rows_of_value: Tensor, corner: Corner, ctype: torch.dtype) -> Tensor:
     """(B, Q, M, L, K, D) corner values, exactly 0 where the corner is outside (even if value is inf)."""
     picked = rows_of_value.index_select(0, corner.row.reshape(-1)).view(*corner.row.shape, rows_of_value.shape[1])
@@ -92,7 +100,7 @@ def forward(
     Q = sampling_locations.shape[1]
     ctype = compute_dtype(value, sampling_locations, attention_weights)
     rows_of_value = value.reshape(-1, D)
-    attn = attention_weights.to(ctype)
+    attn = _weights(attention_weights, ctype)
     out = torch.zeros((B, Q, M, D), dtype=ctype, device=value.device)
     for corner in _corners(value, spatial_shapes, level_start_index, sampling_locations, ctype):
         weighted = (attn * corner.weight).unsqueeze(-1) * _gather(rows_of_value, corner, ctype)
@@ -113,7 +121,7 @@ def backward(
     Q = sampling_locations.shape[1]
     ctype = compute_dtype(value, sampling_locations, attention_weights)
     rows_of_value = value.reshape(-1, D)
-    attn = attention_weights.to(ctype)
+    attn = _weights(attention_weights, ctype)
     grad_out = grad_output.reshape(B, Q, M, 1, 1, D).to(ctype)
 
     grad_rows = torch.zeros(rows_of_value.shape, dtype=ctype, device=value.device)
@@ -126,7 +134,9 @@ def backward(
         grad_attn = grad_attn + corner.weight * dot
         grad_x = grad_x + corner.dweight_dx * dot
         grad_y = grad_y + corner.dweight_dy * dot
-        contribution = (attn * corner.weight).unsqueeze(-1) * grad_out
+        # Only inside corners scatter: a NaN weight must not reach the row an outside corner
+        # points at (row 0 of its batch and head).
+        contribution = torch.where(corner.inside, attn * corner.weight, 0.0).unsqueeze(-1) * grad_out
         grad_rows = grad_rows.index_add(0, corner.row.reshape(-1), contribution.reshape(-1, D))
 
     shapes = spatial_shapes.to(ctype)

@@ -1,9 +1,18 @@
 """Argument checks of the bad-input contract (docs/contract.md, "Bad input").
 
-Every check here reads only metadata (rank, sizes, dtype, device, layout), so it costs no host
-synchronization and runs unchanged on fake tensors while tracing. The data-dependent checks
-(non-empty levels, S = sum of H_l * W_l, level_start_index its running sum) run only in eager
-mode on CPU tensors; elsewhere the kernels mask every access to stay inside `value`.
+`check_forward_args` / `check_backward_args` read metadata (rank, sizes, dtype, device, layout):
+no host synchronization, and they run unchanged on fake tensors while tracing. The checks that
+read the data of `spatial_shapes` and `level_start_index` (non-empty levels, S = sum of H_l * W_l,
+level_start_index its running sum) run where the data is real, with the same message:
+
+- CPU tensors: always. In eager mode `check_forward_args` reads them; under tracing (torch.compile,
+  make_fx) `check_level_data` puts the small operator `msda::check_levels` into the graph, which
+  reads them when the graph runs.
+- CUDA tensors: only while validation is on (`MSDA_VALIDATE=1`, or `msda.validate()`), as each
+  check costs one host synchronization, which CUDA-graph capture forbids and which stalls the
+  launch queue. Eager calls check in `check_forward_args`; compiled ones where the functional
+  form calls `check_level_data_when_validating`. Off, the kernels mask every access to stay
+  inside `value` whatever the indices say.
 
 spatial_shapes and level_start_index may be int64 or int32: the torch path and the kernels
 both convert them to their own index type.
@@ -11,8 +20,23 @@ both convert them to their own index type.
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
+import torch.autograd.forward_ad as forward_ad
 from torch import Tensor
+
+
+def _validate_from_environment() -> bool:
+    setting = os.environ.get("MSDA_VALIDATE", "0").strip().lower()
+    if setting not in ("", "0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"MSDA_VALIDATE must be 1 (check CUDA calls' level data) or 0, got {setting!r}")
+    return setting in ("1", "true", "on")
+
+
+# Whether CUDA calls check the level data (one host sync each): MSDA_VALIDATE, then msda.validate().
+_VALIDATE = _validate_from_environment()
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -107,7 +131,7 @@ def check_forward_args(
         sampling_locations=sampling_locations,
         attention_weights=attention_weights,
     )
-    if _is_eager_cpu(value, spatial_shapes, level_start_index):
+    if _checks_data(value.device) and _is_eager(value, spatial_shapes, level_start_index):
         _check_levels(S, spatial_shapes, level_start_index)
 
 
@@ -137,21 +161,29 @@ def _check_same_device(**tensors: Tensor) -> None:
             raise ValueError(f"{name} is on {other} but {first} is on {device}: all tensors must be on one device")
 
 
-def _is_eager_cpu(*tensors: Tensor) -> bool:
-    """True when reading tensor data is free: real CPU tensors, nothing tracing them."""
+def _is_eager(*tensors: Tensor) -> bool:
+    """True when the tensors hold real data and nothing traces them."""
     if torch.compiler.is_compiling():
         return False
     # opcheck's and make_fx's tracing is not "compiling": look for fake tensors and a proxy mode.
-    if any(torch._subclasses.fake_tensor.is_fake(t) or t.device.type != "cpu" for t in tensors):
+    if any(torch._subclasses.fake_tensor.is_fake(t) for t in tensors):
         return False
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
     return get_proxy_mode() is None
 
 
+def _checks_data(device: torch.device) -> bool:
+    """Whether calls on `device` check the level data: CPU always, CUDA while validation is on."""
+    return device.type == "cpu" or (device.type == "cuda" and _VALIDATE)
+
+
 def _check_levels(S: int, spatial_shapes: Tensor, level_start_index: Tensor) -> None:
-    shapes = spatial_shapes.tolist()
-    starts = level_start_index.tolist()
+    # One host transfer of both tensors (one synchronization on CUDA).
+    L = spatial_shapes.shape[0]
+    both = torch.cat([spatial_shapes.reshape(-1).to(torch.int64), level_start_index.to(torch.int64)]).tolist()
+    shapes = [both[2 * level : 2 * level + 2] for level in range(L)]
+    starts = both[2 * L :]
     for level, (h, w) in enumerate(shapes):
         if h <= 0 or w <= 0:
             raise ValueError(f"spatial_shapes[{level}] = ({h}, {w}): every level must be non-empty (H, W >= 1)")
@@ -164,4 +196,102 @@ def _check_levels(S: int, spatial_shapes: Tensor, level_start_index: Tensor) -> 
     if starts != expected_starts:
         raise ValueError(
             f"level_start_index must be the running sum of H_l * W_l, {expected_starts}, got {starts}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The data checks at run time: the switch for CUDA, and the operator that carries them into
+# compiled graphs.
+
+
+def enabled() -> bool:
+    """Whether CUDA calls check the level data (`MSDA_VALIDATE=1` or inside `msda.validate()`)."""
+    return _VALIDATE
+
+
+class validate(contextlib.ContextDecorator):
+    """Check the level data of CUDA calls too: S = sum(H_l * W_l), non-empty levels and
+    `level_start_index` the running sum, with the error a CPU call gets; eager or compiled,
+    forward and backward. Each check costs one host synchronization, which is why it is off by
+    default (CUDA-graph capture forbids it). A context manager and a decorator; `validate(False)`
+    turns it off inside. `MSDA_VALIDATE=1` turns it on for the process. The setting is global
+    (not per thread). torch.compile guards on it: a function compiled through the functional
+    form (or the layer) recompiles when it changes. (A compiled call of `torch.ops.msda.forward`
+    itself on CUDA is not checked; CPU calls always are.)
+
+        with msda.validate():
+            loss = model(images)
+    """
+
+    def __init__(self, enable: bool = True):
+        self.enable = bool(enable)
+        self._previous: list[bool] = []
+
+    def __enter__(self) -> "validate":
+        global _VALIDATE
+        self._previous.append(_VALIDATE)
+        _VALIDATE = self.enable
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _VALIDATE
+        _VALIDATE = self._previous.pop()
+
+
+def check_level_data(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor) -> Tensor:
+    """For the operator's body: returns `level_start_index`, on CPU while the body is traced
+    (torch.compile, make_fx) through `msda::check_levels`, so that the compiled graph checks the
+    data when it runs. In eager mode `check_forward_args` has read the data already; on CUDA a
+    traced body adds no check (`check_level_data_when_validating` does, where torch.compile
+    sees the setting)."""
+    if value.device.type != "cpu" or _is_eager(value, spatial_shapes, level_start_index):
+        return level_start_index
+    return torch.ops.msda.check_levels(value.shape[1], spatial_shapes, level_start_index)
+
+
+def check_level_data_when_validating(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor) -> Tensor:
+    """For the Python around the operator that torch.compile traces (the functional form, before
+    it calls the operator): returns `level_start_index`, on CUDA while validation is on and
+    torch.compile traces through `msda::check_levels`.
+
+    It lives there, not in the operator's body, for two reasons: torch.compile guards on the
+    setting only where it traces Python (so that `msda.validate()` recompiles), and its cache of
+    compiled graphs is keyed on the graph it traced, which then contains the check or not (the
+    body's Python is not part of the key: a setting read there would let a cached graph traced
+    with the other setting be reused). In eager mode `check_forward_args` checks."""
+    if value.device.type != "cuda" or not enabled() or _is_eager(value, spatial_shapes, level_start_index):
+        return level_start_index
+    return torch.ops.msda.check_levels(value.shape[1], spatial_shapes, level_start_index)
+
+
+# Not a triton_op: Inductor keeps this one opaque and calls it when the graph runs, on real
+# tensors. It returns a copy of level_start_index that the operator then reads, so no pass
+# removes it as dead code, and the kernels cannot run before it has checked.
+@torch.library.custom_op("msda::check_levels", mutates_args=())
+def _check_levels_op(num_values: int, spatial_shapes: Tensor, level_start_index: Tensor) -> Tensor:
+    _check_levels(num_values, spatial_shapes, level_start_index)
+    return level_start_index.clone(memory_format=torch.contiguous_format)
+
+
+@_check_levels_op.register_fake
+def _check_levels_fake(num_values, spatial_shapes, level_start_index):
+    return torch.empty_like(level_start_index, memory_format=torch.contiguous_format)
+
+
+def reject_forward_ad(op: str) -> None:
+    """Raise where `torch.ops.msda.<op>` is called with forward-mode AD in effect: the operator
+    has no forward-AD formula, and PyTorch would otherwise drop the tangents and return zeros.
+
+    Forward AD is in effect when a dual level is open (torch.autograd.forward_ad.dual_level, which
+    torch.func.jvp and jacfwd open too) and forward gradients are enabled (an autograd.Function's
+    forward and jvp run with them disabled, so an operator called from there passes). Whether
+    the inputs carry tangents cannot be seen here under torch.func (they arrive unwrapped), so a
+    call on tangent-free inputs inside a dual level raises too.
+    """
+    if forward_ad._current_level >= 0 and torch._C._is_fwd_grad_enabled():
+        raise RuntimeError(
+            f"msda: torch.ops.msda.{op} has no forward-mode AD formula and was called with "
+            "forward-mode AD in effect (torch.func.jvp, torch.func.jacfwd, torch.func.hessian or "
+            "torch.autograd.forward_ad), where it would return zero tangents: call it outside "
+            "forward-mode AD, or from an autograd.Function whose jvp uses msda.derivatives.forward_jvp"
         )

@@ -1,6 +1,7 @@
 """msda.MultiScaleDeformableAttention is Deformable DETR's MSDeformAttn: parameters, init, forward."""
 
 import math
+import re
 import warnings
 
 import pytest
@@ -158,3 +159,89 @@ def test_reference_points_must_end_in_2_or_4():
     inputs["reference_points"] = torch.rand(2, 5, LEVELS, 3)
     with pytest.raises(ValueError, match="reference_points must end in 2"):
         layer(**inputs)
+
+
+# The layer checks its own arguments as the operator does (issue 15, item 5): each case edits
+# valid arguments into invalid ones; the error names the argument and what was expected.
+def _bad(argument, what, change, error):
+    """(id, edit, error, argument): `change` applied to `argument` of valid layer inputs."""
+    return (f"{argument}-{what}", lambda args: {**args, argument: change(args[argument])}, error, argument)
+
+
+def _one_more(dim):
+    return lambda t: torch.cat([t, t.narrow(dim, 0, 1)], dim)
+
+
+LAYER_BAD_CALLS = [
+    _bad("query", "width", lambda t: t[..., :-1], ValueError),
+    _bad("query", "2d", lambda t: t[0], ValueError),
+    _bad("query", "list", lambda t: t.tolist(), TypeError),
+    _bad("query", "int", lambda t: t.long(), TypeError),
+    _bad("input_flatten", "width", _one_more(-1), ValueError),
+    _bad("input_flatten", "batch", lambda t: t[:1], ValueError),
+    _bad("input_flatten", "4d", lambda t: t[None], ValueError),
+    _bad("input_flatten", "None", lambda t: None, TypeError),
+    _bad("input_flatten", "device", lambda t: t.to("meta"), ValueError),
+    _bad("reference_points", "one-level", lambda t: t[:, :, :1], ValueError),
+    _bad("reference_points", "extra-level", _one_more(2), ValueError),
+    _bad("reference_points", "3d", lambda t: t[:, :, 0], ValueError),
+    _bad("reference_points", "xyz", lambda t: t[..., [0, 1, 1]], ValueError),
+    _bad("reference_points", "batch", lambda t: t[:1], ValueError),
+    _bad("reference_points", "queries", lambda t: t[:, :2], ValueError),
+    _bad("reference_points", "int", lambda t: t.long(), TypeError),
+    _bad("input_spatial_shapes", "levels", lambda t: t[:1], ValueError),
+    _bad("input_spatial_shapes", "float", lambda t: t.float(), TypeError),
+    _bad("input_spatial_shapes", "1d", lambda t: t.flatten(), ValueError),
+    _bad("input_spatial_shapes", "Lx3", lambda t: t[:, [0, 1, 1]], ValueError),
+    _bad("input_spatial_shapes", "list", lambda t: t.tolist(), TypeError),
+    _bad("input_level_start_index", "levels", lambda t: t[:1], ValueError),
+    _bad("input_level_start_index", "float", lambda t: t.float(), TypeError),
+    _bad("input_padding_mask", "one-row", lambda t: t[0], ValueError),
+    _bad("input_padding_mask", "batch", lambda t: t[:1], ValueError),
+    _bad("input_padding_mask", "tokens", lambda t: t[:, 1:], ValueError),
+    _bad("input_padding_mask", "3d", lambda t: t[..., None], ValueError),
+    _bad("input_padding_mask", "float", lambda t: t.float(), TypeError),
+    _bad("input_padding_mask", "uint8", lambda t: t.to(torch.uint8), TypeError),
+    _bad("input_padding_mask", "device", lambda t: t.to("meta"), ValueError),
+]
+
+
+@pytest.mark.parametrize("edit,error,argument", [c[1:] for c in LAYER_BAD_CALLS], ids=[c[0] for c in LAYER_BAD_CALLS])
+def test_layer_rejects_bad_arguments_naming_them(edit, error, argument):
+    layer = msda.MultiScaleDeformableAttention(D_MODEL, LEVELS, HEADS, POINTS)
+    args = edit(_inputs(2))
+    with pytest.raises((TypeError, ValueError)) as info:
+        layer(**args)
+    message = str(info.value)
+    assert isinstance(info.value, error), f"{type(info.value).__name__}: {message}"
+    assert re.search(rf"\b{argument}\b", message), message
+    assert re.search(r"\b(must|expected)\b", message), message
+
+
+def test_layer_token_count_against_the_levels_is_the_operators_error():
+    """Len_in against sum(H_l * W_l) reads the shapes' data: the operator checks it (on CPU
+    always, on CUDA under msda.validate())."""
+    layer = msda.MultiScaleDeformableAttention(D_MODEL, LEVELS, HEADS, POINTS)
+    args = _inputs(2)
+    args["input_flatten"] = args["input_flatten"][:, :-1]
+    args["input_padding_mask"] = args["input_padding_mask"][:, :-1]
+    with pytest.raises(ValueError, match=r"value has S = 59 rows.*expected sum\(H_l \* W_l\) = 60"):
+        layer(**args)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error",
+    [
+        (dict(n_heads=True), TypeError),
+        (dict(n_points=2.0), TypeError),
+        (dict(d_model="256"), TypeError),
+        (dict(n_levels=None), TypeError),
+        (dict(n_levels=-1), ValueError),
+        (dict(n_points=0), ValueError),
+    ],
+    ids=["bool-heads", "float-points", "str-d_model", "None-levels", "negative-levels", "zero-points"],
+)
+def test_constructor_rejects_non_positive_ints(kwargs, error):
+    (name,) = kwargs
+    with pytest.raises(error, match=rf"{name} must be a positive int"):
+        msda.MultiScaleDeformableAttention(**kwargs)

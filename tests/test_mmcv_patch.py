@@ -169,3 +169,18 @@ def test_patch_makes_mmcv_ops_importable_without_compiled_ops(fake_mmcv, ext):
     torch.testing.assert_close(module_out, _expected(inputs), rtol=1e-5, atol=1e-5)
     with pytest.raises(NotImplementedError, match="'nms' needs mmcv's compiled ops"):
         mmcv.ops.nms(torch.zeros(1, 4))
+
+
+@pytest.mark.parametrize("ext", ["mmcv-lite", "broken"])
+def test_stand_in_extension_answers_mmengines_probe(fake_mmcv, ext):
+    """mmengine's mmcv_full_available() (called by mmdet's init_detector) probes
+    pkgutil.find_loader("mmcv._ext"): the stand-in must answer it (a module without __spec__
+    makes it raise ValueError) and say no loader, as no compiled mmcv is there."""
+    import importlib.util
+    import pkgutil
+
+    fake_mmcv(ext)
+    mmcv_patch.patch()
+    spec = importlib.util.find_spec("mmcv._ext")
+    assert spec is not None and spec.name == "mmcv._ext"
+    assert pkgutil.find_loader("mmcv._ext") is None

@@ -1,0 +1,133 @@
+"""One training step of tests/deformable_detr.py across processes, against one process on the
+whole batch. Run by torchrun (tests/test_distributed.py and tests/gpu/test_gpu_distributed.py):
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 -m tests.distributed_worker \\
+        --backend gloo --strategy ddp --mode compiled --size tiny --out summary.json
+
+Every rank builds the same model (same seed) and batch, runs the step on its shard under
+DistributedDataParallel or FSDP2 (fully_shard), eager or torch.compile'd, and compares the loss,
+every parameter's gradient and every parameter after an SGD step with the same step taken by one
+model on the whole batch in this process (eager, no wrapper). A rank exits non-zero on any
+mismatch; rank 0 writes the errors to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+
+from msda.testing import relative_error
+
+from .deformable_detr import SIZES, loss_fn, make_batch, make_model
+
+# SPEC.md's float32 bound: the shards' gradients are reduced in another order than one
+# process sums them (and on CUDA grad_value adds atomically), which changes rounding only.
+BOUND = 1e-5
+
+
+def step(model, wrapped, batch, lr):
+    """Loss, {name: full gradient} and the optimizer for one SGD step of `wrapped` on `batch`."""
+    loss = loss_fn(wrapped, *batch)
+    loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        grads[name] = grad.detach().clone()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    optimizer.step()
+    return loss.detach(), grads
+
+
+def full(p):
+    return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    parser.add_argument("--strategy", choices=["ddp", "fsdp2"], default="ddp")
+    parser.add_argument("--mode", choices=["eager", "compiled"], default="eager")
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--batch-per-rank", type=int, default=2)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    # A collective that one rank never reaches raises after this, rather than hanging.
+    dist.init_process_group(args.backend, timeout=timedelta(minutes=5))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.backend == "nccl":
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    size = SIZES[args.size]
+    lr = 0.1
+
+    # One process on the whole batch (every rank computes it, to compare with locally).
+    single = make_model(size, device=device)
+    model = copy.deepcopy(single)
+    batch = make_batch(size, world * args.batch_per_rank, device=device)
+    single_loss, single_grads = step(single, single, batch, lr)
+
+    features, shapes, starts, classes, boxes = batch
+    shard = slice(rank * args.batch_per_rank, (rank + 1) * args.batch_per_rank)
+    local = (features[shard], shapes, starts, classes[shard], boxes[shard])
+    if args.strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (*model.encoder, *model.decoder):
+            fully_shard(layer)
+        wrapped = fully_shard(model)
+    if args.mode == "compiled":
+        wrapped = torch.compile(wrapped)
+    loss, grads = step(model, wrapped, local, lr)
+    dist.all_reduce(loss)
+    loss = loss / world
+
+    errors = {"loss": relative_error(loss, single_loss)}
+    for name, grad in grads.items():
+        errors[f"grad {name}"] = relative_error(grad, single_grads[name])
+    for (name, p), (_, q) in zip(model.named_parameters(), single.named_parameters()):
+        errors[f"param {name}"] = relative_error(full(p), q)
+    worst = max(errors, key=errors.get)
+    graphs = counters["stats"]["unique_graphs"]
+    summary = {
+        "rank": rank,
+        "world": world,
+        "backend": args.backend,
+        "strategy": args.strategy,
+        "mode": args.mode,
+        "size": args.size,
+        "parameters": len(grads),
+        "compiled_graphs": graphs,
+        "max_error": errors[worst],
+        "worst": worst,
+        "bound": BOUND,
+    }
+    ok = errors[worst] <= BOUND and len(grads) == len(single_grads) and (args.mode == "eager" or graphs > 0)
+    print(json.dumps(summary), flush=True)
+    if rank == 0 and args.out:
+        with open(args.out, "w") as f:
+            json.dump({**summary, "ok": ok, "errors": errors}, f, indent=1)
+    # Tear down together: a rank that closes its connections while the other still uses them
+    # made gloo abort the other at exit (once in several FSDP2 runs).
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
