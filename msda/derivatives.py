@@ -243,3 +243,39 @@ def backward_backward(ctx, grad_value_cotangent, grad_loc_cotangent, grad_attn_c
     grad_loc = total("loc", sampling_locations) if needs_loc else None
     grad_attn = total("attn", attention_weights) if needs_attn else None
     return grad_g, grad_value, None, None, grad_loc, grad_attn
+
+
+def forward_mode_active() -> bool:
+    """Whether a call is differentiated in forward mode or transformed by torch.func (jvp,
+    jacfwd, vmap): then the functional form goes through OperatorWithJvp."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch.autograd.forward_ad._current_level >= 0 or torch._C._functorch.peek_interpreter_stack() is not None
+
+
+class OperatorWithJvp(torch.autograd.Function):
+    """msda's forward operator with forward-mode AD (forward_jvp): what the functional form calls
+    under torch.autograd.forward_ad and torch.func transforms, where the registered operator has
+    no jvp (torch.library's autograd has none). setup_context style, so torch.func accepts it;
+    the backward is the operator's, so double backward works through it too."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+        return torch.ops.msda.forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_forward(*inputs)
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def jvp(ctx, value_t, _shapes_t, _starts_t, loc_t, attn_t):
+        return forward_jvp(*ctx.saved_tensors, value_t, loc_t, attn_t)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        value, shapes, starts, loc, attn = ctx.saved_tensors
+        grad_value, grad_loc, grad_attn = torch.ops.msda.backward(grad_output, value, shapes, starts, loc, attn)
+        return grad_value, None, None, grad_loc, grad_attn

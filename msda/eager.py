@@ -87,18 +87,18 @@ def _looks_valid(value, spatial_shapes, level_start_index, sampling_locations, a
 
 def _check(value, spatial_shapes, level_start_index, sampling_locations, attention_weights) -> None:
     """Raise the operator's error for a call outside its contract: a few comparisons for a valid
-    call, the operator's full checks for anything unusual."""
-    try:
-        if _looks_valid(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-            return
-    except Exception:  # noqa: BLE001  (anything odd: the full checks say what)
-        pass
-    starts = level_start_index
-    if starts is None:
+    call, the operator's full checks for anything unusual, and while msda.validate() is on (the
+    level data, at the cost of a host sync)."""
+    if not validation.enabled():
+        try:
+            if _looks_valid(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+                return
+        except Exception:  # noqa: BLE001  (anything odd: the full checks say what)
+            pass
+    if level_start_index is None:
         validation.check_tensor("spatial_shapes", spatial_shapes)
-        starts = torch.zeros(spatial_shapes.shape[:1], dtype=torch.int64, device=spatial_shapes.device)
-    validation.check_forward_args(value, spatial_shapes, starts, sampling_locations, attention_weights)
-    raise AssertionError("msda: the fast argument check and the operator's disagree")  # unreachable
+        level_start_index = _starts(spatial_shapes, None)
+    validation.check_forward_args(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
 
 
 def _contiguous(*tensors: Tensor | None):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import eager
+from . import derivatives, eager, validation
 from .validation import check_tensor
 
 
@@ -58,4 +58,10 @@ def multi_scale_deformable_attention(
     )
     for name, arg in args.items():
         check_tensor(name, arg)
-    return torch.ops.msda.forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    # Under torch.compile with msda.validate() on: the data checks as an operator of the graph
+    # (docs/correctness.md says why here and not in the operator's body).
+    level_start_index = validation.check_level_data_when_validating(value, spatial_shapes, level_start_index)
+    args = (value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    if derivatives.forward_mode_active():
+        return derivatives.OperatorWithJvp.apply(*args)
+    return torch.ops.msda.forward(*args)

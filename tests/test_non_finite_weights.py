@@ -129,19 +129,11 @@ def check(problem: Problem) -> None:
     assert masks[0].any() and masks[1].any() and masks[2].any()  # something was NaN
 
 
-# Today's kernels multiply an infinite weight through (giving +-inf where the rows are finite and
-# nonzero); the new kernels replace a non-finite weight by NaN before use. Strict: remove the
-# mark with that change.
-KERNEL_CHANGE_PENDING = pytest.mark.xfail(strict=True, reason="kernel change pending")
-
-
 def cases():
     for path in ("torch", "triton"):
         for dtype in DTYPES:
             for kind in KINDS:
                 marks = list(needs_interpreter) if path == "triton" else []
-                if path == "triton" and kind != "nan":
-                    marks.append(KERNEL_CHANGE_PENDING)
                 yield pytest.param(path, dtype, kind, marks=marks, id=f"{path}-{str(dtype)[6:]}-{kind}")
 
 

@@ -103,7 +103,6 @@ def test_compiled_check_runs_when_validating_and_toggling_recompiles():
     torch.cuda.synchronize()
 
 
-@pytest.mark.xfail(strict=True, reason="functional.py does not call check_level_data_when_validating yet")
 def test_compiled_functional_form_checks_when_validating():
     compiled, good, bad, expected = _compiled_case(msda.multi_scale_deformable_attention)
     with msda.validate():
