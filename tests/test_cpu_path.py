@@ -9,8 +9,9 @@ from unittest import mock
 import pytest
 import torch
 
+import msda
 from msda import ops, torch_impl
-from msda.testing import Shape, make_inputs
+from msda.testing import Shape, make_inputs, reference_with_grads, relative_error
 
 from .helpers import assert_matches_reference, forward_backward, random_like_output
 
@@ -75,3 +76,21 @@ def test_location_gradient_cell_choice_is_exact_at_detr_sizes():
     grad_output = random_like_output(inputs)
     errors = assert_matches_reference(inputs, forward_backward(inputs, grad_output), grad_output)
     assert errors["grad_sampling_locations"] <= 1e-6
+
+
+def test_compiled_operator_runs_the_cpu_kernels():
+    """torch.compile keeps torch.ops.msda.forward / backward whole on CPU (not traced into its
+    body): at run time the compiled graph calls the CPU kernels, once per forward and backward."""
+    torch._dynamo.reset()
+    inputs = make_inputs(SHAPE, torch.float32, outside_fraction=0.2, seed=25)
+    grad_output = random_like_output(inputs)
+    compiled = torch.compile(msda.multi_scale_deformable_attention, fullgraph=True, dynamic=True, backend="aot_eager")
+    forward_backward(inputs, grad_output, compiled)  # compiles
+    with (
+        mock.patch.object(torch_impl, "_cpu_forward", wraps=torch_impl._cpu_forward) as fwd,
+        mock.patch.object(torch_impl, "_cpu_backward", wraps=torch_impl._cpu_backward) as bwd,
+    ):
+        results = forward_backward(inputs, grad_output, compiled)
+    assert (fwd.call_count, bwd.call_count) == (1, 1)
+    expected = reference_with_grads(inputs, grad_output)
+    assert all(relative_error(got, want) <= 1e-5 for got, want in zip(results, expected))
