@@ -5,13 +5,16 @@ an operator's body), and the same numerics: positions in float64, so the cell a 
 (and the location gradient, which jumps between cells) matches an exact computation of
 `x * W - 0.5`; float32 accumulation (float64 for float64 inputs).
 
-- On CPU tensors (`_cpu_forward`, `_cpu_backward`), ATen's CPU kernels for the three sparse
-  products MSDA is made of: the output is a weighted sum of L*K*4 rows of `value` per query and
-  head (F.embedding_bag, FBGEMM's kernel); the gradients of the weights and locations need each
-  corner's dot product with grad_output (torch.sparse.sampled_addmm); grad_value is the transposed
-  sum (the corners sorted by row, then F.embedding_bag over grad_output's rows). No
-  (B, Q, M, L, K, D)-sized tensor is made. Under torch.compile the operator stays one node on
-  CPU (msda/ops.py) and runs these kernels.
+- On CPU tensors, in eager mode (`_cpu_forward`, `_cpu_backward`), ATen's CPU kernels for the
+  three sparse products MSDA is made of: the output is a weighted sum of L*K*4 rows of `value`
+  per query and head (F.embedding_bag, FBGEMM's kernel); the gradients of the weights and
+  locations need each corner's dot product with grad_output (the rows gathered a cache-sized
+  chunk at a time); grad_value is the transposed sum (the corners sorted by row, then
+  F.embedding_bag over grad_output's rows). The corners are computed a chunk of queries at a
+  time, and no (B, Q, M, L, K, D)-sized tensor is made. Under torch.compile the operator stays
+  one node on CPU (msda/ops.py), which runs these kernels. One difference from the other paths:
+  a corner outside its level reads an in-range row with weight 0 instead of being skipped, so a
+  non-finite number in `value` (not in the locations) can reach the samples next to it as NaN.
 - Elsewhere (CUDA in deterministic mode, MPS, other devices, and any tracing of the body), gathers
   (index_select) and scatters (index_add_) over `value` viewed as rows of D channels, a corner at a
   time, so that it allocates no (B, Q, M, L, K, D)-sized index tensor and has no data-dependent
@@ -176,7 +179,6 @@ class Levels(NamedTuple):
     stride: Tensor  # (2, 1, L*K) int: rows of value.view(B*S*M, D) per step in x (M) and in y (W * M)
     start: Tensor  # (L*K,) int: the row of the level's first pixel for batch entry 0 and head 0
     rows_per_batch: int  # S * M
-    heads: int  # M
     queries: int  # Q
 
 
@@ -206,7 +208,6 @@ def _levels(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor, sa
         stride=per_sample(stride, index).unsqueeze(1),
         start=per_sample(level_start_index.to(torch.int64) * M, index),
         rows_per_batch=S * M,
-        heads=M,
         queries=Q,
     )
 
