@@ -277,18 +277,18 @@ def machine(threads: list[int]) -> dict[str, str]:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    root = Path(msda.__file__).resolve().parent.parent
     try:
-        root = Path(__file__).resolve().parent.parent
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
                                capture_output=True, text=True)
-        commit = sha.stdout.strip() + (" (uncommitted changes)" if dirty.stdout.strip() else "")
+        commit = sha.stdout.strip() and sha.stdout.strip() + (" (uncommitted changes)" if dirty.stdout.strip() else "")
     except OSError:
         commit = "unknown"
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     return {
         "torch": torch.__version__,
-        "msda": f"{getattr(msda, '__version__', '?')} at {commit}",
+        "msda": f"{getattr(msda, '__version__', '?')} at {commit or 'unknown'} ({root})",
         "CPU": f"{cpu}, {os.cpu_count()} logical CPUs",
         "threads": ", ".join(str(t) for t in threads) + f" (torch's default here: {torch.get_num_threads()})",
         "python": platform.python_version(),
