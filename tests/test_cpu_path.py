@@ -58,6 +58,25 @@ def test_generic_path_matches_reference_on_cpu(dist, monkeypatch):
     assert_matches_reference(inputs, results, grad_output)
 
 
+def test_cpu_kernels_are_bitwise_reproducible_across_runs_and_thread_counts():
+    """No atomics and a stable sort: the same bits every run, with 1 thread or 2 (the forward
+    sums each bag in order, the grad_value scatter each row's corners in their sorted order).
+    153,600 corners: every elementwise op is split between threads when there are two."""
+    shape = Shape(batch=2, queries=300, heads=8, head_dim=32, levels=((20, 30), (10, 15)), points=4)
+    inputs = make_inputs(shape, torch.float32, outside_fraction=0.2, seed=26)
+    grad_output = random_like_output(inputs)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2, 1):
+            torch.set_num_threads(count)
+            results.append(forward_backward(inputs, grad_output))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
 def test_location_gradient_cell_choice_is_exact_at_detr_sizes():
     """Locations one float32 step below or above pixel centres of Deformable DETR's 800x1333
     levels, where x * W - 0.5 crosses an integer: the cell, hence the location gradient, which
