@@ -1,9 +1,9 @@
 """Pure-PyTorch MSDA: the path for CPU and every device without the Triton kernels.
 
 Two implementations of the same operator, with explicit backwards (autograd does not run inside
-an operator's body), and the same numerics: positions in float64, so the cell a sample falls in
-(and the location gradient, which jumps between cells) matches an exact computation of
-`x * W - 0.5`; float32 accumulation (float64 for float64 inputs).
+an operator's body), and the same numerics: positions in float64 (float32 on MPS, which has no
+float64), so the cell a sample falls in (and the location gradient, which jumps between cells)
+matches an exact computation of `x * W - 0.5`; float32 accumulation (float64 for float64 inputs).
 
 - On CPU tensors, in eager mode (`_cpu_forward`, `_cpu_backward`), ATen's CPU kernels for the
   three sparse products MSDA is made of: the output is a weighted sum of L*K*4 rows of `value`
