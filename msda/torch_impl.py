@@ -1,9 +1,24 @@
 """Pure-PyTorch MSDA: the path for CPU and every device without the Triton kernels.
 
-Written with gathers (index_select) and scatters (index_add_) over `value` viewed as rows of
-D channels, so that it allocates no (B, Q, M, L, K, D)-sized index tensor, has no data-dependent
-Python control flow (torch.compile traces it with dynamic shapes), and gives the backward
-explicitly: autograd does not run inside an operator's body.
+Two implementations of the same operator, with explicit backwards (autograd does not run inside
+an operator's body), and the same numerics: positions in float64 (float32 on MPS, which has no
+float64), so the cell a sample falls in (and the location gradient, which jumps between cells)
+matches an exact computation of `x * W - 0.5`; float32 accumulation (float64 for float64 inputs).
+
+- On CPU tensors, in eager mode (`_cpu_forward`, `_cpu_backward`), ATen's CPU kernels for the
+  three sparse products MSDA is made of: the output is a weighted sum of L*K*4 rows of `value`
+  per query and head (F.embedding_bag, FBGEMM's kernel); the gradients of the weights and
+  locations need each corner's dot product with grad_output (the rows gathered a cache-sized
+  chunk at a time); grad_value is the transposed sum (the corners sorted by row, then
+  F.embedding_bag over grad_output's rows). The corners are computed a chunk of queries at a
+  time, and no (B, Q, M, L, K, D)-sized tensor is made. Under torch.compile the operator stays
+  one node on CPU (msda/ops.py), which runs these kernels. One difference from the other paths:
+  a corner outside its level reads an in-range row with weight 0 instead of being skipped, so a
+  non-finite number in `value` (not in the locations) can reach the samples next to it as NaN.
+- Elsewhere (CUDA in deterministic mode, MPS, other devices, and any tracing of the body), gathers
+  (index_select) and scatters (index_add_) over `value` viewed as rows of D channels, a corner at a
+  time, so that it allocates no (B, Q, M, L, K, D)-sized index tensor and has no data-dependent
+  Python control flow (torch.compile traces it with dynamic shapes).
 """
 
 from __future__ import annotations
@@ -12,7 +27,10 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+
+from .validation import _is_eager_cpu
 
 
 def compute_dtype(*tensors: Tensor) -> torch.dtype:
@@ -96,6 +114,8 @@ def forward(
     sampling_locations: Tensor,
     attention_weights: Tensor,
 ) -> Tensor:
+    if _is_eager_cpu(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+        return _cpu_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
     B, _, M, D = value.shape
     Q = sampling_locations.shape[1]
     ctype = compute_dtype(value, sampling_locations, attention_weights)
@@ -116,6 +136,9 @@ def backward(
     sampling_locations: Tensor,
     attention_weights: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    args = (grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    if _is_eager_cpu(*args):
+        return _cpu_backward(*args)
     B, _, M, D = value.shape
     L = spatial_shapes.shape[0]
     Q = sampling_locations.shape[1]
@@ -148,4 +171,201 @@ def backward(
         grad_rows.view(value.shape).to(value.dtype),
         grad_loc.to(sampling_locations.dtype),
         grad_attn.to(attention_weights.dtype),
+    )
+
+
+# --- CPU ---------------------------------------------------------------------------------------
+
+# Query rows (b * Q + q) are processed in chunks of about this many corners (4 * M * L * K each),
+# so that the per-corner tensors stay in cache and the Python overhead stays small.
+CORNERS_PER_CHUNK = 2**17
+
+
+class Levels(NamedTuple):
+    """Per-level constants of one call, repeated for each of a query's L*K sample columns."""
+
+    size: Tensor  # (2, L*K) float64: (W, H), in the order of the locations' (x, y)
+    last: Tensor  # (2, 1, L*K) int: the last corner coordinate inside the level, W - 1 and H - 1
+    stride: Tensor  # (2, 1, L*K) int: rows of value.view(B*S*M, D) per step in x (M) and in y (W * M)
+    start: Tensor  # (L*K,) int: the row of the level's first pixel for batch entry 0 and head 0
+    rows_per_batch: int  # S * M
+    queries: int  # Q
+
+
+class Samples(NamedTuple):
+    """The four corners of n query rows' samples, laid out (n, M, 2, 2, L*K): each query and
+    head's corners contiguous (a bag of F.embedding_bag), the L*K samples innermost."""
+
+    rows: Tensor  # [corner y, corner x]: the row of value.view(B*S*M, D), in range
+    weight: Tensor  # [x | y, corner 0 | 1]: the 1-D bilinear weights 1 - f and f, 0 outside
+    inside: Tensor  # [x | y, corner 0 | 1]: the corner coordinate lies inside the level
+
+
+def _levels(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor, sampling_locations: Tensor) -> Levels:
+    B, S, M, _ = value.shape
+    _, Q, _, L, K, _ = sampling_locations.shape
+    # int32 rows when every row of value and every corner fits: FBGEMM and the sort are faster.
+    index = torch.int32 if max(B * S * M, 2 * sampling_locations.numel()) < 2**31 else torch.int64
+
+    def per_sample(level_values: Tensor, dtype: torch.dtype) -> Tensor:  # (..., L) -> (..., L*K)
+        return level_values.to(dtype).unsqueeze(-1).expand(*level_values.shape, K).flatten(-2)
+
+    size = spatial_shapes.to(torch.int64).flip(1).t()  # (2, L)
+    stride = torch.stack((torch.full_like(size[0], M), size[0] * M))
+    return Levels(
+        size=per_sample(size, torch.float64),
+        last=per_sample(size - 1, index).unsqueeze(1),
+        stride=per_sample(stride, index).unsqueeze(1),
+        start=per_sample(level_start_index.to(torch.int64) * M, index),
+        rows_per_batch=S * M,
+        queries=Q,
+    )
+
+
+def _samples(levels: Levels, locations: Tensor, first: int, ctype: torch.dtype) -> Samples:
+    """The corners of `locations`, (n, M, L*K, 2): query rows first .. first + n."""
+    n, M, LK, _ = locations.shape
+    index = levels.start.dtype
+    # Positions in pixels, pixel centres at integer + 0.5 (grid_sample's align_corners=False): the
+    # cell is floor(x * W - 0.5). Computed as x * W + 1.5 in float64, exact for float32 locations,
+    # so that every position kept is positive and its integer conversion is floor() + 2.
+    p = torch.empty((n, M, 2, LK), dtype=torch.float64)
+    torch.addcmul(torch.tensor(1.5, dtype=torch.float64), locations.transpose(-1, -2), levels.size, out=p)
+    # Far, infinite and NaN positions to 0 or W + 2: both corners outside, the conversion defined.
+    torch.clamp(p, torch.zeros((), dtype=torch.float64), levels.size + 2, out=p)
+    p.nan_to_num_(nan=0.0)
+    cell = p.to(index)
+    f = torch.empty(p.shape, dtype=ctype)
+    torch.sub(p, cell, out=f)
+
+    # (n, M, 2 [x, y], 2 [corner], L*K): each corner's coordinate, clamped into the level for its
+    # row (a corner outside reads an in-range row, with weight 0).
+    corner = cell.unsqueeze(-2) + torch.tensor([[-2], [-1]], dtype=index)
+    clamped = torch.clamp(corner, torch.zeros((), dtype=index), levels.last)
+    inside = clamped == corner
+    one_minus_f_then_f = torch.tensor([[1.0], [0.0]], dtype=ctype), torch.tensor([[-1.0], [1.0]], dtype=ctype)
+    weight = torch.where(inside, torch.addcmul(one_minus_f_then_f[0], f.unsqueeze(-2), one_minus_f_then_f[1]), 0.0)
+    offset = clamped.mul_(levels.stride)
+    # The row of each query row's level pixel 0: (b * S + start) * M + m.
+    batch = torch.arange(first, first + n, dtype=index).div_(levels.queries, rounding_mode="floor")
+    base = (batch * levels.rows_per_batch).view(n, 1, 1) + torch.arange(M, dtype=index).view(M, 1) + levels.start
+    rows = (offset[:, :, 1] + base.unsqueeze(2)).unsqueeze(-2) + offset[:, :, 0].unsqueeze(-3)
+    return Samples(rows=rows, weight=weight, inside=inside)
+
+
+def _corner_weights(samples: Samples, attn: Tensor) -> Tensor:
+    """(n, M, 2 [corner y], 2 [corner x], L*K): attention weight * bilinear weight of each corner,
+    from the attention weights as (n, M, 1, L*K)."""
+    wx, wy = samples.weight[:, :, 0], samples.weight[:, :, 1]
+    return (wy * attn).unsqueeze(-2) * wx.unsqueeze(-3)
+
+
+def _chunks(query_rows: int, corners_per_query_row: int) -> list[tuple[int, int]]:
+    step = max(1, CORNERS_PER_CHUNK // max(1, corners_per_query_row))
+    return [(first, min(query_rows, first + step)) for first in range(0, query_rows, step)]
+
+
+def _flat_inputs(sampling_locations: Tensor, attention_weights: Tensor, ctype: torch.dtype):
+    """Locations as (B*Q, M, L*K, 2) and attention weights as (B*Q, M, 1, L*K) in ctype."""
+    B, Q, M, L, K, _ = sampling_locations.shape
+    return (
+        sampling_locations.reshape(B * Q, M, L * K, 2),
+        attention_weights.reshape(B * Q, M, 1, L * K).to(ctype),
+    )
+
+
+def _cpu_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights) -> Tensor:
+    B, _, M, D = value.shape
+    _, Q, _, L, K, _ = sampling_locations.shape
+    ctype = compute_dtype(value, sampling_locations, attention_weights)
+    levels = _levels(value, spatial_shapes, level_start_index, sampling_locations)
+    locations, attn = _flat_inputs(sampling_locations, attention_weights, ctype)
+    rows_of_value = value.reshape(-1, D).to(ctype)
+    out = torch.empty((B * Q, M * D), dtype=ctype)
+    for first, last in _chunks(B * Q, M * 4 * L * K):
+        samples = _samples(levels, locations[first:last], first, ctype)
+        bags = (last - first) * M
+        out[first:last] = F.embedding_bag(
+            samples.rows.reshape(bags, 4 * L * K),
+            rows_of_value,
+            per_sample_weights=_corner_weights(samples, attn[first:last]).reshape(bags, 4 * L * K),
+            mode="sum",
+        ).view(last - first, M * D)
+    return out.view(B, Q, M * D).to(value.dtype)
+
+
+def _corner_dots(rows_of_value: Tensor, rows: Tensor, grad: Tensor, bags_per_chunk: int = 256) -> Tensor:
+    """(bags, per_bag): <grad[bag], rows_of_value[rows[bag, j]]>, a chunk of bags at a time, so
+    that the gathered rows stay in cache. The gather is F.embedding_bag with bags of one row:
+    FBGEMM's kernel prefetches, and gathers a quarter faster than index_select."""
+    bags, per_bag = rows.shape
+    dots = torch.empty(rows.shape, dtype=grad.dtype)
+    for first in range(0, bags, bags_per_chunk):
+        last = min(bags, first + bags_per_chunk)
+        picked = F.embedding_bag(rows[first:last].reshape(-1, 1), rows_of_value, mode="sum")
+        picked = picked.view(last - first, per_bag, -1).mul_(grad[first:last].unsqueeze(1))
+        torch.sum(picked, -1, out=dots[first:last])
+    return dots
+
+
+def _cpu_backward(
+    grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights
+) -> tuple[Tensor, Tensor, Tensor]:
+    B, _, M, D = value.shape
+    _, Q, _, L, K, _ = sampling_locations.shape
+    ctype = compute_dtype(value, sampling_locations, attention_weights)
+    levels = _levels(value, spatial_shapes, level_start_index, sampling_locations)
+    locations, attn = _flat_inputs(sampling_locations, attention_weights, ctype)
+    rows_of_value = value.reshape(-1, D).to(ctype)
+    grad = grad_output.reshape(B * Q * M, D).to(ctype)
+    per_bag = 4 * L * K
+    size = levels.size.to(ctype).t()  # (L*K, 2)
+    slope_of = torch.tensor([[-1.0], [1.0]], dtype=ctype)  # d weight / d position of corners 0, 1
+
+    rows = torch.empty(B * Q * M * per_bag, dtype=levels.start.dtype)
+    weights = torch.empty(B * Q * M * per_bag, dtype=ctype)
+    grad_loc = torch.empty((B * Q, M, L * K, 2), dtype=ctype)
+    grad_attn = torch.empty((B * Q, M, L * K), dtype=ctype)
+    for first, last in _chunks(B * Q, M * per_bag):
+        samples = _samples(levels, locations[first:last], first, ctype)
+        corner_weights = _corner_weights(samples, attn[first:last])
+        chunk = slice(first * M * per_bag, last * M * per_bag)
+        rows[chunk] = samples.rows.reshape(-1)
+        weights[chunk] = corner_weights.reshape(-1)
+
+        # Each corner's dot product with grad_output, then the bilinear interpolation of those.
+        bags = slice(first * M, last * M)
+        dot = _corner_dots(rows_of_value, rows[chunk].view(-1, per_bag), grad[bags]).view(corner_weights.shape)
+        wx, wy = samples.weight[:, :, 0], samples.weight[:, :, 1]
+        along_x = (dot * wy.unsqueeze(-2)).sum(2)  # (n, M, 2 [corner x], L*K): interpolated in y
+        along_y = (dot * wx.unsqueeze(-3)).sum(3)  # (n, M, 2 [corner y], L*K): interpolated in x
+        grad_attn[first:last] = (along_y * wy).sum(2)
+        # d/d position: -1 and +1 for corners 0 and 1 (0 outside); then the chain rule through
+        # x * W - 0.5 (and y * H - 0.5), and the attention weight.
+        slope = torch.where(samples.inside, slope_of, 0.0)
+        grad_x = (along_x * slope[:, :, 0]).sum(2)
+        grad_y = (along_y * slope[:, :, 1]).sum(2)
+        torch.mul(torch.stack((grad_x, grad_y), -1), attn[first:last].squeeze(2).unsqueeze(-1) * size,
+                  out=grad_loc[first:last])
+
+    # grad_value[row] = sum over the corners on that row of weight * grad_output[their query and
+    # head]: the corners sorted by row (a stable sort: the sums' order is fixed), each row one
+    # bag of F.embedding_bag over grad_output's rows.
+    order = torch.sort(rows, stable=True).indices
+    sorted_weights = weights.index_select(0, order)
+    counts = torch.bincount(rows, minlength=rows_of_value.shape[0])
+    offsets = torch.zeros(rows_of_value.shape[0] + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    grad_rows = F.embedding_bag(
+        order.div_(per_bag, rounding_mode="floor"),
+        grad,
+        offsets,
+        per_sample_weights=sorted_weights,
+        mode="sum",
+        include_last_offset=True,
+    )
+    return (
+        grad_rows.view(value.shape).to(value.dtype),
+        grad_loc.view(sampling_locations.shape).to(sampling_locations.dtype),
+        grad_attn.view(attention_weights.shape).to(attention_weights.dtype),
     )

@@ -1,0 +1,46 @@
+"""The CPU preset (python -m bench.cpu): Deformable DETR's level sizes, its grid_sample formulation
+against the float64 oracle, its chunked oracle against the whole one, and a tiny run end to end
+(every variant and pass, markdown written, msda within float32's bound)."""
+
+import torch
+
+from bench import cpu
+from msda.testing import DETR_LEVELS, Inputs, Shape, make_inputs, reference, reference_with_grads, relative_error
+
+
+def test_detr_levels_of_an_image():
+    assert cpu.detr_levels(800, 1333) == DETR_LEVELS
+    assert cpu.detr_levels(400, 667) == ((50, 84), (25, 42), (13, 21), (7, 11))
+
+
+def test_grid_sample_formulation_matches_the_oracle_in_float64():
+    inputs = make_inputs(Shape(2, 7, 3, 4, ((5, 6), (3, 3)), 2), torch.float64, outside_fraction=0.2, seed=3)
+    levels = [tuple(level) for level in inputs.spatial_shapes.tolist()]
+    got = cpu.grid_sample_msda(inputs.value, levels, inputs.sampling_locations, inputs.attention_weights)
+    expected = reference(inputs.value, inputs.spatial_shapes, inputs.sampling_locations, inputs.attention_weights)
+    assert relative_error(got, expected) < 1e-12
+
+
+def test_chunked_oracle_equals_the_whole_oracle():
+    inputs = make_inputs(Shape(2, 9, 2, 4, ((4, 5), (2, 3)), 2), torch.float32, seed=4)
+    grad_output = torch.randn(2, 9, 8)
+    whole = reference_with_grads(inputs, grad_output)
+    chunked = cpu.oracle(Inputs(*inputs.args()), grad_output, queries_per_chunk=4)
+    for got, expected in zip(chunked, whole):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_tiny_run_end_to_end(tmp_path):
+    out = tmp_path / "cpu.md"
+    cpu.main(["--threads", "1", "--images", "64x96", "--batches", "1,2", "--min-reps", "2", "--max-reps", "2",
+              "--budget", "0", "--compile-backend", "aot_eager", "--out", str(out)])
+    text = out.read_text()
+    assert "## 1 thread: median ± IQR ms per call" in text and "## accuracy" in text
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| 64x96")]
+    timing = [row for row in rows if row[4] in cpu.PASSES]
+    accuracy = [row for row in rows if row[4] in cpu.VARIANTS]
+    assert len(timing) == 2 * 2 * 2  # roles x batches x passes
+    assert all(field.endswith("×") for row in timing for field in (row[7], row[10].rstrip(" |")))
+    assert len(accuracy) == 2 * 2 * 4  # roles x batches x variants
+    msda_rows = [row for row in accuracy if row[4].startswith("msda")]
+    assert all(float(field.rstrip(" |")) <= 1e-5 for row in msda_rows for field in row[5:])
