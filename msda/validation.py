@@ -173,6 +173,11 @@ def _is_eager(*tensors: Tensor) -> bool:
     return get_proxy_mode() is None
 
 
+def _is_eager_cpu(*tensors: Tensor) -> bool:
+    """True when reading tensor data is free: real CPU tensors, nothing tracing them."""
+    return all(t.device.type == "cpu" for t in tensors) and _is_eager(*tensors)
+
+
 def _checks_data(device: torch.device) -> bool:
     """Whether calls on `device` check the level data: CPU always, CUDA while validation is on."""
     return device.type == "cpu" or (device.type == "cuda" and _VALIDATE)

@@ -1,0 +1,49 @@
+"""Time the first forward + backward call of a process (Triton compiles included) for one (L, K).
+
+    python scripts/first_call.py L K [--dtype float32] [--head-dim 32]
+
+Run it with an empty Triton cache (TRITON_CACHE_DIR pointing at a new directory) so the kernels
+compile: prints the seconds of the first call, of a second call, and since the interpreter started.
+bench/NOTES.md (entry 16) has the numbers; the bound a first call must stay under is 5 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+START = time.perf_counter()
+
+import torch  # noqa: E402
+
+import msda  # noqa: E402
+from msda.testing import Shape, make_inputs  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("levels", type=int)
+    parser.add_argument("points", type=int)
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    parser.add_argument("--head-dim", type=int, default=32)
+    opts = parser.parse_args()
+    sizes = [(64, 64), (32, 32), (16, 16), (8, 8), (4, 4), (2, 2), (1, 1), (1, 1)]
+    shape = Shape(batch=2, queries=300, heads=8, head_dim=opts.head_dim, levels=tuple(sizes[: opts.levels]),
+                  points=opts.points)  # fmt: skip
+    inputs = make_inputs(shape, DTYPES[opts.dtype], "cuda", requires_grad=True)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        out = msda.multi_scale_deformable_attention(*inputs.args())
+        out.float().sum().backward()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    print(f"L={opts.levels} K={opts.points} {opts.dtype}: first forward+backward {times[0]:.2f} s, "
+          f"second {times[1] * 1e3:.1f} ms, since start {time.perf_counter() - START:.1f} s")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
