@@ -255,9 +255,11 @@ def _samples(levels: Levels, locations: Tensor, first: int, ctype: torch.dtype) 
 
 def _corner_weights(samples: Samples, attn: Tensor) -> Tensor:
     """(n, M, 2 [corner y], 2 [corner x], L*K): attention weight * bilinear weight of each corner,
-    from the attention weights as (n, M, 1, L*K)."""
+    from the attention weights as (n, M, 1, L*K); exactly 0 on a corner outside its level, also
+    for a NaN attention weight (whose NaN must reach only the rows its sample reads)."""
     wx, wy = samples.weight[:, :, 0], samples.weight[:, :, 1]
-    return (wy * attn).unsqueeze(-2) * wx.unsqueeze(-3)
+    inside = samples.inside[:, :, 1].unsqueeze(-2) & samples.inside[:, :, 0].unsqueeze(-3)
+    return torch.where(inside, (wy * attn).unsqueeze(-2) * wx.unsqueeze(-3), 0.0)
 
 
 def _chunks(query_rows: int, corners_per_query_row: int) -> list[tuple[int, int]]:
@@ -270,7 +272,7 @@ def _flat_inputs(sampling_locations: Tensor, attention_weights: Tensor, ctype: t
     B, Q, M, L, K, _ = sampling_locations.shape
     return (
         sampling_locations.reshape(B * Q, M, L * K, 2),
-        attention_weights.reshape(B * Q, M, 1, L * K).to(ctype),
+        _weights(attention_weights.reshape(B * Q, M, 1, L * K), ctype),
     )
 
 
@@ -291,6 +293,9 @@ def _cpu_forward(value, spatial_shapes, level_start_index, sampling_locations, a
             per_sample_weights=_corner_weights(samples, attn[first:last]).reshape(bags, 4 * L * K),
             mode="sum",
         ).view(last - first, M * D)
+    # A non-finite attention weight makes its (batch, query, head) NaN, inside its level or not.
+    poisoned = attn.isnan().any(-1).expand(B * Q, M, D)
+    out.view(B * Q, M, D).masked_fill_(poisoned, torch.nan)
     return out.view(B, Q, M * D).to(value.dtype)
 
 
