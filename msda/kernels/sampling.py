@@ -111,7 +111,8 @@ def softmax_stats(
             mask = (j < NUM_LOGITS) & q_ok
             x = tl.load(logits_ptr + first_param + j, mask=mask, other=float("-inf")).to(COMPUTE)
             largest = tl.maximum(largest, x)
-    row_max = tl.max(largest, axis=0, keep_dims=True)
+    # Queries past the end (masked, never stored) get 0 and 1: no -inf - -inf or 1 / 0 there.
+    row_max = tl.where(q_ok, tl.max(largest, axis=0, keep_dims=True), 0.0)
     total = tl.zeros([GROUPS, BLOCK_Q], dtype=COMPUTE)
     for step in tl.range(0, NUM_LOGITS, GROUPS * UNROLL):
         for unrolled in tl.static_range(UNROLL):
@@ -119,5 +120,5 @@ def softmax_stats(
             mask = (j < NUM_LOGITS) & q_ok
             x = tl.load(logits_ptr + first_param + j, mask=mask, other=float("-inf")).to(COMPUTE)
             total += tl.where(mask, tl.exp(x - row_max), 0.0)
-    row_sum = tl.sum(total, axis=0, keep_dims=True)
+    row_sum = tl.where(q_ok, tl.sum(total, axis=0, keep_dims=True), 1.0)
     return row_max, 1.0 / row_sum
