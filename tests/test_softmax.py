@@ -270,17 +270,23 @@ SOFTMAX_BATTERY = [
 ]
 
 
-@pytest.mark.parametrize("case,entry", SOFTMAX_BATTERY)
-def test_bad_call_raises_naming_the_argument(case: BadCall, entry: str):
-    """The bad-input battery (msda.testing_cases.BAD_CALLS) through the softmax entry points:
-    the same errors, the last argument named attention_logits."""
+def assert_softmax_call_rejected(case: BadCall, entry: str, args: dict) -> None:
+    """The call raises case.error naming case.argument, attention_logits for attention_weights."""
     argument = "attention_logits" if case.argument == "attention_weights" else case.argument
-    with backend("torch"), pytest.raises((ValueError, TypeError)) as info:
-        _call_softmax(entry, case.edit(valid_args()))
+    with pytest.raises((ValueError, TypeError)) as info:
+        _call_softmax(entry, case.edit(args))
     message = str(info.value)
     assert isinstance(info.value, case.error), f"{type(info.value).__name__}: {message}"
     assert re.search(rf"\b{argument}\b", message), f"message does not name {argument}: {message}"
     assert "attention_weights" not in message, message
+
+
+@pytest.mark.parametrize("case,entry", SOFTMAX_BATTERY)
+def test_bad_call_raises_naming_the_argument(case: BadCall, entry: str):
+    """The bad-input battery (msda.testing_cases.BAD_CALLS) through the softmax entry points:
+    the same errors, the last argument named attention_logits."""
+    with backend("torch"):
+        assert_softmax_call_rejected(case, entry, valid_args())
 
 
 def test_all_meta_is_valid():

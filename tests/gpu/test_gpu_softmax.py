@@ -3,9 +3,10 @@ msda.multi_scale_deformable_attention_softmax) on the compiled Triton kernels.
 
 At the presets of docs/benchmarking.md against the float64 oracle (msda.testing.reference_softmax)
 for every dtype, mixed location/value dtypes and both location distributions; the eager fast path
-against the registered operator; non-finite logits; opcheck; deterministic mode; the layer fused
-against unfused. torch.compile, CUDA graphs and export of the layer (which calls the softmax
-operator by default) are in test_gpu_compile.py, test_gpu_cuda_graphs.py and test_gpu_export.py.
+against the registered operator; non-finite logits; the bad-input battery through the softmax
+entry points; opcheck; deterministic mode; the layer fused against unfused. torch.compile, CUDA
+graphs and export of the layer (which calls the softmax operator by default) are in
+test_gpu_compile.py, test_gpu_cuda_graphs.py and test_gpu_export.py.
 """
 
 from unittest import mock
@@ -17,7 +18,11 @@ import msda
 from msda import eager
 from msda.testing import PRESETS, TOLERANCE, Shape, make_inputs, relative_error
 
+from msda.testing_cases import BAD_CALLS, valid_args
+
 from ..helpers import assert_matches_reference, forward_backward, random_like_output
+from ..test_edge_cases import backend
+from ..test_softmax import SOFTMAX_BATTERY, _call_softmax, assert_softmax_call_rejected
 from ..test_softmax import test_non_finite_logits as check_non_finite_logits
 from .test_gpu_numerics import CASES
 
@@ -82,6 +87,25 @@ def test_level_start_index_none():
 @pytest.mark.parametrize("path", ["triton", "torch"])
 def test_non_finite_logits_on_cuda(path):
     check_non_finite_logits(path, "cuda")
+
+
+@pytest.mark.parametrize("case,entry", [p for p in SOFTMAX_BATTERY if not p.values[0].needs_data])
+def test_bad_call_raises_on_cuda(case, entry):
+    """The battery through the softmax entry points on CUDA (the functional form's eager fast
+    path checks the arguments itself): the operators' errors, naming attention_logits."""
+    with backend("triton"):
+        assert_softmax_call_rejected(case, entry, valid_args("cuda"))
+
+
+@pytest.mark.parametrize("case", [c for c in BAD_CALLS if c.needs_data], ids=lambda c: c.id)
+@pytest.mark.parametrize("entry", ["functional", "forward_softmax", "backward_softmax"])
+def test_unchecked_data_stays_in_bounds_on_cuda(case, entry):
+    """Inconsistent level data runs unchecked on CUDA (no host sync): no fault, finite results."""
+    with backend("triton"):
+        results = _call_softmax(entry, case.edit(valid_args("cuda")))
+        torch.cuda.synchronize()
+    for result in results if isinstance(results, tuple) else (results,):
+        assert torch.isfinite(result).all(), f"{entry}: non-finite result"
 
 
 # opcheck (as test_gpu_opcheck.py: float32 and float64, int64 and int32 level shapes).
