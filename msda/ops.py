@@ -29,7 +29,6 @@ try:
     from .kernels import launch
     from .kernels.backward import grad_value_accumulator_dtype, msda_backward_kernel
     from .kernels.forward import msda_forward_kernel
-    from .kernels.launch import softmax_scratch_dtype
 
     HAS_TRITON = True
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -174,8 +173,8 @@ forward.register_autograd(_backward_rule, setup_context=_setup_context)
 
 # --- The softmax operators --------------------------------------------------------------------
 # The same with attention logits in place of the weights: the weights are softmax(logits) over
-# the L * K samples of each (batch, query, head), computed in the kernels (one more pass over the
-# logits, which are few), and the backward returns the gradient of the logits.
+# the L * K samples of each (batch, query, head), computed in the kernels (a first pass over the
+# logits, which are few, for their max and sum), and the backward returns the logits' gradient.
 
 LOGITS = "attention_logits"  # the argument's name in error messages
 
@@ -239,7 +238,7 @@ def backward_softmax(
     # two written arguments that alias could keep torch.compile from reinplacing either.
     scratch = torch.empty(
         attention_logits.shape,
-        dtype=softmax_scratch_dtype(value, sampling_locations, attention_logits),
+        dtype=launch.softmax_scratch_dtype(value, sampling_locations, attention_logits),
         device=value.device,
     )
     if grad_logits.numel() > 0:
