@@ -76,7 +76,7 @@ def config_from(opts: argparse.Namespace) -> Config:
         raise SystemExit(f"unknown dtype {', '.join(unknown)}: choose from {', '.join(DTYPES)}")
 
     peers = PEERS if opts.peers is None else opts.peers
-    variants = [v for v in VARIANTS if not v.peer or v.name in peers]
+    variants = [v for v in VARIANTS if not v.peer or v.peer in peers]
     if opts.variants:
         variants = [v for v in variants if any(fnmatch.fnmatchcase(v.name, p) for p in opts.variants)]
         if not variants:

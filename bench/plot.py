@@ -46,7 +46,8 @@ def write_plot(results: dict, path: Path) -> None:
     sources = results.get("sources") or []
     subtitle = (f"speed-up = the best baseline's {timed} / the variant's, per cell; right of 1× is faster. "
                 "Whiskers: the interquartile ranges of both times. Op rows against the fastest baseline within "
-                "tolerance (reference, reference-compile, peers), block rows against the eager block."
+                "tolerance (reference, reference-compile, peers), block rows against the faster of the eager "
+                "block with a separate softmax (block-unfused) and with the peer's fused one (block-deformops)."
                 + (f" Cells from {len(sources)} runs (results.md says which)." if len(sources) > 1 else ""))
     width = max(7.5 * len(presets), 9.0)
     subtitle_lines = textwrap.wrap(subtitle, int(15 * width))

@@ -10,7 +10,10 @@ not installed): the bench turns that into a row that says why.
 Two scopes. "op" rows take the operator's inputs (value, spatial_shapes, level_start_index,
 sampling_locations, attention_weights). "block" rows run Deformable DETR's attention layer
 (msda.MultiScaleDeformableAttention, with its projections) on a query, reference points and the
-flattened features; their gradients are those of input_flatten, reference_points and query.
+flattened features; their gradients are those of input_flatten, reference_points and query. The
+layer as users get it normalizes its attention logits inside the operator (the softmax operator);
+the "block-unfused" rows run it with the separate softmax of the original layer, "block-deformops"
+with the peer's fused softmax operator in place of msda's.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import copy
 import importlib
 import math
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from unittest import mock
@@ -29,7 +33,7 @@ from torch import Tensor
 import msda
 import msda.layer
 from msda.testing import PRESETS as MODEL_PRESETS
-from msda.testing import Inputs, Shape, reference, reference_with_grads
+from msda.testing import Inputs, Shape, reference, reference_softmax, reference_with_grads
 
 from .timing import capture_graph
 
@@ -82,7 +86,7 @@ class Variant:
     description: str
     build: Callable[[Cell], Case]
     needs_cuda: bool = False
-    peer: bool = False
+    peer: str = ""  # a peer's package (its rows are left out by --peers without it); "" for msda's
 
 
 # --- The pure-PyTorch baseline, as model code writes it --------------------------------------
@@ -131,13 +135,21 @@ def _oracle_core(value, spatial_shapes, level_start_index, sampling_locations, a
     return reference(value, spatial_shapes, sampling_locations, attention_weights)
 
 
+def _oracle_softmax_core(value, spatial_shapes, level_start_index, sampling_locations, attention_logits):
+    return reference_softmax(value, spatial_shapes, sampling_locations, attention_logits)
+
+
 def _block_oracle(cell: Cell) -> tuple[Tensor, ...]:
     """The block in float64 (the same parameters and inputs, upcast) with the float64 reference
-    in place of the operator."""
+    in place of the operator (the softmax operator: the float64 softmax, then the reference).
+    One oracle for every block row: fused or not, the layers have the same parameters."""
     layer = copy.deepcopy(_layer(cell)).double()
     leaves = tuple(t.detach().double().requires_grad_() for t in _block_leaves(cell))
     flat, ref, query = leaves
-    with mock.patch.object(msda.layer, "multi_scale_deformable_attention", _oracle_core):
+    with (
+        mock.patch.object(msda.layer, "multi_scale_deformable_attention", _oracle_core),
+        mock.patch.object(msda.layer, "multi_scale_deformable_attention_softmax", _oracle_softmax_core),
+    ):
         out = layer(query, ref, flat, cell.inputs.spatial_shapes, cell.inputs.level_start_index)
     grads = torch.autograd.grad(out, leaves, cell.grad_output.double())
     return (out.detach(), *grads)
@@ -175,15 +187,18 @@ def _block_leaves(cell: Cell) -> tuple[Tensor, Tensor, Tensor]:
     return cell.memo["block_leaves"]
 
 
-def _layer(cell: Cell) -> msda.MultiScaleDeformableAttention:
-    """The block's layer for the cell's dtype and sizes, made once (seeded) and kept."""
+def _layer(cell: Cell, fused_softmax: bool = True) -> msda.MultiScaleDeformableAttention:
+    """The block's layer for the cell's dtype and sizes, made once (seeded: the same parameters
+    with the softmax fused into the operator or not) and kept."""
     s = cell.shape
-    key = ("layer", cell.dtype, s.heads, s.head_dim, len(s.levels), s.points)
+    key = ("layer", cell.dtype, s.heads, s.head_dim, len(s.levels), s.points, fused_softmax)
     if key not in cell.compiled:
         channels = s.heads * s.head_dim
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            layer = msda.MultiScaleDeformableAttention(channels, len(s.levels), s.heads, s.points)
+            layer = msda.MultiScaleDeformableAttention(
+                channels, len(s.levels), s.heads, s.points, fused_softmax=fused_softmax
+            )
             # The original initialization zeroes the query's weights (no gradient would reach the
             # query): random ones give offsets of about a pixel and uneven attention.
             torch.nn.init.normal_(layer.sampling_offsets.weight, std=1 / math.sqrt(channels))
@@ -344,10 +359,12 @@ def _mmcv(cell: Cell) -> Case:
 # --- The Deformable DETR block -----------------------------------------------------------------
 
 
-def _block(cell: Cell, mode: str | None = None) -> Case:
-    """The layer eager, or compiled in `mode`. Its backward also computes the parameters'
-    gradients, as a training step does (and as a compiled backward does in any case)."""
-    layer = _layer(cell)
+def _block(cell: Cell, mode: str | None = None, fused_softmax: bool = True) -> Case:
+    """The layer eager, or compiled in `mode`; with its softmax fused into the operator (as
+    users get it) or separate (fused_softmax=False, the original layer's). Its backward also
+    computes the parameters' gradients, as a training step does (and as a compiled backward
+    does in any case)."""
+    layer = _layer(cell, fused_softmax)
     flat, ref, query = leaves = _block_leaves(cell)
     params = tuple(layer.parameters())
     shapes, starts = cell.inputs.spatial_shapes, cell.inputs.level_start_index
@@ -355,7 +372,7 @@ def _block(cell: Cell, mode: str | None = None) -> Case:
         return _autograd_case(lambda: layer(query, ref, flat, shapes, starts), leaves, cell.grad_output, params=params)
 
     s, backend = cell.shape, cell.compile_backend
-    key = ("block-" + mode, cell.dtype, s.heads, s.head_dim, len(s.levels), s.points, backend)
+    key = ("block-" + mode, cell.dtype, s.heads, s.head_dim, len(s.levels), s.points, backend, fused_softmax)
     if mode == "default":
         module = _kept(cell, key, lambda: torch.compile(layer, dynamic=True, backend=backend))
         call = lambda: module(query, ref, flat, shapes, starts)  # noqa: E731
@@ -384,6 +401,37 @@ def _block(cell: Cell, mode: str | None = None) -> Case:
         results=results,
         capturable=False,
     )
+
+
+def _block_deformops(cell: Cell) -> Case:
+    """The eager layer with deformops' fused softmax operator (torch.ops.deformops.msda_softmax,
+    its method="softmax") in place of msda's: the same projections and parameters, the peer's
+    kernels for the softmax and the sampling."""
+    try:
+        importlib.import_module("deformops.registry.msda")
+        peer_op = torch.ops.deformops.msda_softmax
+    except (ImportError, AttributeError) as e:
+        raise Unavailable(f"deformops is not importable, or has no msda_softmax: {e}") from e
+
+    def core(value, spatial_shapes, level_start_index, sampling_locations, attention_logits):
+        return peer_op(value, spatial_shapes, level_start_index, sampling_locations, attention_logits)
+
+    # The layer's own forward, its one call of the softmax operator bound to the peer's: the
+    # function with a copy of msda.layer's globals (no patching around each timed call).
+    layer_forward = msda.layer.MultiScaleDeformableAttention.forward
+    forward = types.FunctionType(
+        layer_forward.__code__,
+        {**vars(msda.layer), "multi_scale_deformable_attention_softmax": core},
+        layer_forward.__name__,
+        layer_forward.__defaults__,
+    )
+    layer = _layer(cell)
+    flat, ref, query = leaves = _block_leaves(cell)
+    shapes, starts = cell.inputs.spatial_shapes, cell.inputs.level_start_index
+    return _autograd_case(
+        lambda: forward(layer, query, ref, flat, shapes, starts), leaves, cell.grad_output,
+        params=tuple(layer.parameters()),
+    )  # fmt: skip
 
 
 VARIANTS = (
@@ -417,14 +465,34 @@ VARIANTS = (
         "the pure-PyTorch reference under torch.compile(dynamic=True)",
         lambda cell: _reference(cell, compiled=True),
     ),
-    Variant("deformops", "op", True, "peer: torch.ops.deformops.msda, its default backend", _deformops, peer=True),
-    Variant("mmcv", "op", True, "peer: mmcv's ext_module.ms_deform_attn_forward/backward", _mmcv, peer=True),
+    Variant(
+        "deformops", "op", True, "peer: torch.ops.deformops.msda, its default backend", _deformops, peer="deformops"
+    ),
+    Variant("mmcv", "op", True, "peer: mmcv's ext_module.ms_deform_attn_forward/backward", _mmcv, peer="mmcv"),
     Variant(
         "block",
         "block",
-        True,
-        "msda.MultiScaleDeformableAttention (Deformable DETR's MSDeformAttn), eager",
+        False,
+        "msda.MultiScaleDeformableAttention (Deformable DETR's MSDeformAttn), eager: its softmax fused "
+        "into the operator (msda::forward_softmax), as users get it",
         _block,
+    ),
+    Variant(
+        "block-unfused",
+        "block",
+        True,
+        "the same layer with fused_softmax=False: a separate softmax, then msda::forward (the original "
+        "layer's computation), eager",
+        lambda cell: _block(cell, fused_softmax=False),
+    ),
+    Variant(
+        "block-deformops",
+        "block",
+        True,
+        "peer: the same layer with deformops' fused softmax operator (torch.ops.deformops.msda_softmax, "
+        'method="softmax") in place of msda\'s, eager',
+        _block_deformops,
+        peer="deformops",
     ),
     Variant(
         "block-compile",
@@ -432,6 +500,13 @@ VARIANTS = (
         False,
         "the block under torch.compile(dynamic=True)",
         lambda cell: _block(cell, "default"),
+    ),
+    Variant(
+        "block-unfused-compile",
+        "block",
+        False,
+        "block-unfused under torch.compile(dynamic=True) (Inductor compiles its separate softmax)",
+        lambda cell: _block(cell, "default", fused_softmax=False),
     ),
     Variant(
         "block-reduce-overhead",
@@ -442,4 +517,4 @@ VARIANTS = (
         needs_cuda=True,
     ),
 )
-PEERS = tuple(v.name for v in VARIANTS if v.peer)
+PEERS = tuple(dict.fromkeys(v.peer for v in VARIANTS if v.peer))  # --peers names: deformops, mmcv

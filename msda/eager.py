@@ -6,8 +6,10 @@ bench/NOTES.md has the profile), more than the decoder's forward kernel takes. I
 on plain CUDA tensors with nothing tracing them, the functional form, the layer and the
 drop-ins call `forward` / `backward` here instead, which check the arguments and launch the
 compiled kernels directly (msda/kernels/direct.py), with a `torch.autograd.Function` for
-gradients. Everything else (torch.compile, export, fake tensors, torch.func transforms,
-forward-mode AD, CPU) goes through `torch.ops.msda.*`, the same kernels.
+gradients. `softmax=True` is the same for the softmax operators (msda::forward_softmax /
+msda::backward_softmax: attention logits in place of the weights). Everything else
+(torch.compile, export, fake tensors, torch.func transforms, forward-mode AD, CPU) goes through
+`torch.ops.msda.*`, the same kernels.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def _looks_valid(value, spatial_shapes, level_start_index, sampling_locations, a
     )
 
 
-def _check(value, spatial_shapes, level_start_index, sampling_locations, attention_weights) -> None:
+def _check(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax=False) -> None:
     """Raise the operator's error for a call outside its contract: a few comparisons for a valid
     call, the operator's full checks for anything unusual, and while msda.validate() is on (the
     level data, at the cost of a host sync)."""
@@ -98,7 +100,13 @@ def _check(value, spatial_shapes, level_start_index, sampling_locations, attenti
     if level_start_index is None:
         validation.check_tensor("spatial_shapes", spatial_shapes)
         level_start_index = _starts(spatial_shapes, None)
-    validation.check_forward_args(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    validation.check_forward_args(
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights, _weights_name(softmax)
+    )
+
+
+def _weights_name(softmax: bool) -> str:
+    return "attention_logits" if softmax else "attention_weights"
 
 
 def _contiguous(*tensors: Tensor | None):
@@ -119,8 +127,11 @@ def _launch(launcher, grid, args, constexprs, device) -> None:
             launcher(grid, args, constexprs, device)
 
 
-def launch_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights) -> Tensor:
-    """The forward kernel on checked CUDA tensors (level_start_index may be None)."""
+def launch_forward(
+    value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax=False
+) -> Tensor:
+    """The forward kernel on checked CUDA tensors (level_start_index may be None; softmax: the
+    last tensor holds logits)."""
     value, spatial_shapes, level_start_index, sampling_locations, attention_weights = _contiguous(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights
     )
@@ -128,14 +139,17 @@ def launch_forward(value, spatial_shapes, level_start_index, sampling_locations,
     out = torch.empty((B, sampling_locations.shape[1], M * D), dtype=value.dtype, device=value.device)
     if out.numel() > 0:
         grid, args, constexprs = launch.forward_call(
-            value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out
+            value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out, softmax=softmax
         )
         _launch(_forward_kernel, grid, args, constexprs, value.device)
     return out
 
 
-def launch_backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-    """The backward kernel on checked CUDA tensors: (grad_value, grad_loc, grad_attn)."""
+def launch_backward(
+    grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax=False
+):
+    """The backward kernel on checked CUDA tensors: (grad_value, grad_loc, grad_attn); softmax:
+    the last tensor holds logits, and grad_attn is their gradient."""
     value, spatial_shapes, level_start_index, sampling_locations, attention_weights = _contiguous(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights
     )
@@ -147,10 +161,16 @@ def launch_backward(grad_output, value, spatial_shapes, level_start_index, sampl
     grad_value = torch.zeros(value.shape, dtype=accumulator, device=value.device)
     grad_loc = torch.empty(sampling_locations.shape, dtype=sampling_locations.dtype, device=value.device)
     grad_attn = torch.empty(attention_weights.shape, dtype=attention_weights.dtype, device=value.device)
+    scratch = None
+    if softmax:
+        # The kernel keeps the weights' gradient here until its softmax pass: grad_attn itself
+        # where it has the compute dtype (no torch.compile here to mind the aliasing).
+        scratch_dtype = launch.softmax_scratch_dtype(value, sampling_locations, attention_weights)
+        scratch = grad_attn if scratch_dtype == grad_attn.dtype else torch.empty_like(grad_attn, dtype=scratch_dtype)
     if grad_attn.numel() > 0:
         grid, args, constexprs = launch.backward_call(
             grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-            grad_value, grad_loc, grad_attn,
+            grad_value, grad_loc, grad_attn, softmax=softmax, scratch=scratch,
         )  # fmt: skip
         _launch(_backward_kernel, grid, args, constexprs, value.device)
     if accumulator != value.dtype:
@@ -166,25 +186,30 @@ def _starts(spatial_shapes: Tensor, level_start_index: Tensor | None) -> Tensor:
     return level_start_index_from_shapes(spatial_shapes)
 
 
-def backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-    """(grad_value, grad_loc, grad_attn): the backward kernel where eligible, else the operator."""
+def backward(
+    grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax=False
+):
+    """(grad_value, grad_loc, grad_attn): the backward kernel where eligible, else the operator
+    (msda::backward, or msda::backward_softmax with softmax=True)."""
     if (
         eligible(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_output)
         and not torch.are_deterministic_algorithms_enabled()
         and not torch.is_grad_enabled()
     ):
-        _check(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+        _check(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax)
         validation.check_tensor("grad_output", grad_output)
         expected = (value.shape[0], sampling_locations.shape[1], value.shape[2] * value.shape[3])
         if grad_output.shape != expected or grad_output.device != value.device:
             starts = _starts(spatial_shapes, level_start_index)
             validation.check_backward_args(
-                grad_output, value, spatial_shapes, starts, sampling_locations, attention_weights
-            )
+                grad_output, value, spatial_shapes, starts, sampling_locations, attention_weights,
+                _weights_name(softmax),
+            )  # fmt: skip
         return launch_backward(
-            grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights
+            grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax
         )
-    return torch.ops.msda.backward(
+    op = torch.ops.msda.backward_softmax if softmax else torch.ops.msda.backward
+    return op(
         grad_output, value, spatial_shapes, _starts(spatial_shapes, level_start_index), sampling_locations,
         attention_weights,
     )  # fmt: skip
@@ -194,34 +219,39 @@ class _Function(torch.autograd.Function):
     """Autograd for the eager fast path (the registered operator has its own, for tracing)."""
 
     @staticmethod
-    def forward(ctx, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    def forward(ctx, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax):
         ctx.save_for_backward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
-        return launch_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+        ctx.softmax = softmax
+        return launch_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax)
 
     @staticmethod
     def backward(ctx, grad_output):
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights = ctx.saved_tensors
         grad_value, grad_loc, grad_attn = backward(
-            grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights
+            grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, ctx.softmax
         )
-        return grad_value, None, None, grad_loc, grad_attn
+        return grad_value, None, None, grad_loc, grad_attn, None
 
 
-def differentiable_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+def differentiable_forward(
+    value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax=False
+):
     """The fast path's forward, differentiable, on tensors `eligible` accepted."""
-    _check(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    _check(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax)
     if torch.is_grad_enabled() and (
         value.requires_grad or sampling_locations.requires_grad or attention_weights.requires_grad
     ):
-        return _Function.apply(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
-    return launch_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+        return _Function.apply(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax)
+    return launch_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax)
 
 
-def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights) -> Tensor:
+def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax=False) -> Tensor:
     """The operator's forward, differentiable: the eager fast path where eligible, else
-    torch.ops.msda.forward. level_start_index may be None."""
+    torch.ops.msda.forward (torch.ops.msda.forward_softmax with softmax=True, the last tensor
+    then holding logits). level_start_index may be None."""
     if eligible(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-        return differentiable_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
-    return torch.ops.msda.forward(
-        value, spatial_shapes, _starts(spatial_shapes, level_start_index), sampling_locations, attention_weights
-    )
+        return differentiable_forward(
+            value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax
+        )
+    op = torch.ops.msda.forward_softmax if softmax else torch.ops.msda.forward
+    return op(value, spatial_shapes, _starts(spatial_shapes, level_start_index), sampling_locations, attention_weights)

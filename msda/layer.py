@@ -12,7 +12,7 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from .functional import multi_scale_deformable_attention
+from .functional import multi_scale_deformable_attention, multi_scale_deformable_attention_softmax
 
 
 class MultiScaleDeformableAttention(nn.Module):
@@ -23,9 +23,15 @@ class MultiScaleDeformableAttention(nn.Module):
         n_levels: number of feature levels.
         n_heads: number of attention heads.
         n_points: sampling points per head and level.
+        fused_softmax: normalize the attention weights inside the operator
+            (`multi_scale_deformable_attention_softmax`, the default) rather than by a separate
+            softmax before it (`multi_scale_deformable_attention`, as the original layer does).
+            The same result within the operator's tolerance; not part of the state_dict.
     """
 
-    def __init__(self, d_model: int = 256, n_levels: int = 4, n_heads: int = 8, n_points: int = 4):
+    def __init__(
+        self, d_model: int = 256, n_levels: int = 4, n_heads: int = 8, n_points: int = 4, fused_softmax: bool = True
+    ):
         super().__init__()
         for name, size in (("d_model", d_model), ("n_levels", n_levels), ("n_heads", n_heads), ("n_points", n_points)):
             if not isinstance(size, int) or isinstance(size, bool):  # True is an int to Python
@@ -46,6 +52,7 @@ class MultiScaleDeformableAttention(nn.Module):
         self.n_levels = n_levels
         self.n_heads = n_heads
         self.n_points = n_points
+        self.fused_softmax = bool(fused_softmax)
 
         self.sampling_offsets = nn.Linear(d_model, n_heads * n_levels * n_points * 2)
         self.attention_weights = nn.Linear(d_model, n_heads * n_levels * n_points)
@@ -111,7 +118,7 @@ class MultiScaleDeformableAttention(nn.Module):
         value = value.view(N, Len_in, H, self.d_model // H)
 
         offsets = self.sampling_offsets(query).view(N, Len_q, H, L, K, 2)
-        weights = self.attention_weights(query).view(N, Len_q, H, L * K).softmax(-1).view(N, Len_q, H, L, K)
+        logits = self.attention_weights(query)
 
         if reference_points.shape[-1] == 2:
             # Offsets are in pixels of each level: divide by (W_l, H_l).
@@ -123,9 +130,15 @@ class MultiScaleDeformableAttention(nn.Module):
             size = reference_points[:, :, None, :, None, 2:]
             locations = centre + offsets / K * size * 0.5
 
-        output = multi_scale_deformable_attention(
-            value, input_spatial_shapes, input_level_start_index, locations, weights
-        )
+        if self.fused_softmax:  # the softmax over each head's L * K samples inside the operator
+            output = multi_scale_deformable_attention_softmax(
+                value, input_spatial_shapes, input_level_start_index, locations, logits.view(N, Len_q, H, L, K)
+            )
+        else:
+            weights = logits.view(N, Len_q, H, L * K).softmax(-1).view(N, Len_q, H, L, K)
+            output = multi_scale_deformable_attention(
+                value, input_spatial_shapes, input_level_start_index, locations, weights
+            )
         return self.output_proj(output)
 
     def _check_args(
@@ -177,6 +190,13 @@ class MultiScaleDeformableAttention(nn.Module):
                 raise ValueError(
                     f"{name} is on {t.device} but query is on {query.device}: all tensors must be on one device"
                 )
+
+
+    def extra_repr(self) -> str:
+        return (
+            f"d_model={self.d_model}, n_levels={self.n_levels}, n_heads={self.n_heads}, "
+            f"n_points={self.n_points}, fused_softmax={self.fused_softmax}"
+        )
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

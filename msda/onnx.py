@@ -1,4 +1,5 @@
-"""ONNX export of models that call msda's operator (`torch.ops.msda.forward`).
+"""ONNX export of models that call msda's operators (`torch.ops.msda.forward`, and
+`torch.ops.msda.forward_softmax`, which msda.MultiScaleDeformableAttention calls).
 
     import msda.onnx
 
@@ -10,7 +11,8 @@
 `GridSample` per feature level, with the level sizes read from the `spatial_shapes` input at run
 time: onnxruntime runs the model, TensorRT parses it with no plugin, at any batch and image size.
 `plugin="mmdeploy"` or `plugin="nvidia"` writes instead one custom-domain node for that TensorRT
-plugin. docs/deploy.md has the details.
+plugin. The softmax operator is the same after a standard `Softmax` over each head's L * K
+logits (before the plugin node too: neither plugin normalizes). docs/deploy.md has the details.
 
 This module needs `onnx` and `onnxscript` (as `torch.onnx.export(dynamo=True)` does); `import
 msda` does not import it.
@@ -173,11 +175,35 @@ def msda_forward_nvidia(value, spatial_shapes, level_start_index, sampling_locat
     return op.Reshape(plugin(*args), _ints(0, 0, heads_times_dim))  # 0: that dim of the input
 
 
+def _softmax(attention_logits, *others) -> ir.Value:
+    """The softmax operators' weights: `Softmax` over the L * K logits of each (batch, query,
+    head), in float32 (float64 for float64 inputs) as the operator computes it; (B, Q, M, L, K)."""
+    L = _static(attention_logits, 3, "attention_logits", "level count L")
+    K = _static(attention_logits, 4, "attention_logits", "point count K")
+    inputs = (attention_logits, *others)
+    ctype = ir.DataType.DOUBLE if any(t.dtype == ir.DataType.DOUBLE for t in inputs) else ir.DataType.FLOAT
+    flat = op.Reshape(_cast(attention_logits, ctype), _ints(0, 0, 0, L * K))  # 0: that dim of the input
+    return op.Reshape(op.Softmax(flat, axis=-1), _ints(0, 0, 0, L, K))
+
+
+def _with_softmax(translation: Callable) -> Callable:
+    """The translation of `msda::forward_softmax` from that of `msda::forward`."""
+
+    def forward_softmax(value, spatial_shapes, level_start_index, sampling_locations, attention_logits):
+        weights = _softmax(attention_logits, value, sampling_locations)
+        return translation(value, spatial_shapes, level_start_index, sampling_locations, weights)
+
+    forward_softmax.__name__ = translation.__name__.replace("msda_forward", "msda_forward_softmax")
+    forward_softmax.__doc__ = f"`msda::forward_softmax`: a `Softmax` of the logits, then {translation.__name__}."
+    return forward_softmax
+
+
 _TRANSLATIONS = {None: msda_forward, "mmdeploy": msda_forward_mmdeploy, "nvidia": msda_forward_nvidia}
 
 
 def translation_table(plugin: str | None = None) -> dict[Callable, Callable]:
-    """The `custom_translation_table` of `torch.onnx.export(..., dynamo=True)` for msda's operator.
+    """The `custom_translation_table` of `torch.onnx.export(..., dynamo=True)` for msda's operators
+    (`msda::forward` and `msda::forward_softmax`).
 
     Args:
         plugin: None for standard ONNX operators (no plugin needed), "mmdeploy" or "nvidia" for
@@ -185,7 +211,11 @@ def translation_table(plugin: str | None = None) -> dict[Callable, Callable]:
     """
     if plugin not in _TRANSLATIONS:
         raise ValueError(f"plugin must be None or one of {', '.join(map(repr, PLUGINS))}, got {plugin!r}")
-    return {torch.ops.msda.forward.default: _TRANSLATIONS[plugin]}
+    translation = _TRANSLATIONS[plugin]
+    return {
+        torch.ops.msda.forward.default: translation,
+        torch.ops.msda.forward_softmax.default: _with_softmax(translation),
+    }
 
 
 def export(

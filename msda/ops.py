@@ -1,8 +1,10 @@
-"""The registered operators torch.ops.msda.forward and torch.ops.msda.backward.
+"""The registered operators torch.ops.msda.forward and torch.ops.msda.backward, and their softmax
+forms torch.ops.msda.forward_softmax and torch.ops.msda.backward_softmax (attention logits,
+normalized over the L * K samples of each head inside the kernels).
 
 Read top to bottom: backend selection, the forward (validation, device branch, Triton launch),
 the backward likewise, the fake implementations, what tracing does with CPU tensors, the autograd
-registration.
+registration; then the same for the softmax operators.
 
 `spatial_shapes` and `level_start_index` stay device tensors that the kernels read: nothing on
 the CUDA path reads tensor data on the host, so the operators capture into CUDA graphs and trace
@@ -200,3 +202,140 @@ forward.register_autograd(_backward_rule, setup_context=_setup_context)
 
 # The backward's own derivative (double backward: gradient penalties, Hessian-vector products).
 backward.register_autograd(derivatives.backward_backward, setup_context=derivatives.backward_setup_context)
+
+
+# --- The softmax operators --------------------------------------------------------------------
+# The same with attention logits in place of the weights: the weights are softmax(logits) over
+# the L * K samples of each (batch, query, head), computed in the kernels (a first pass over the
+# logits, which are few, for their max and sum), and the backward returns the logits' gradient.
+
+LOGITS = "attention_logits"  # the argument's name in error messages
+
+
+@triton_op("msda::forward_softmax", mutates_args=())
+def forward_softmax(
+    value: Tensor,
+    spatial_shapes: Tensor,
+    level_start_index: Tensor,
+    sampling_locations: Tensor,
+    attention_logits: Tensor,
+) -> Tensor:
+    check_forward_args(value, spatial_shapes, level_start_index, sampling_locations, attention_logits, LOGITS)
+    reject_forward_ad("forward_softmax")
+    level_start_index = check_level_data(value, spatial_shapes, level_start_index)
+    if not uses_triton(value.device):
+        return torch_impl.forward_softmax(
+            value, spatial_shapes, level_start_index, sampling_locations, attention_logits
+        )
+
+    B, _, M, D = value.shape
+    out = value.new_empty((B, sampling_locations.shape[1], M * D))
+    if out.numel() > 0:
+        grid, args, constexprs = launch.forward_call(
+            value.contiguous(),
+            spatial_shapes.contiguous(),
+            level_start_index.contiguous(),
+            sampling_locations.contiguous(),
+            attention_logits.contiguous(),
+            out,
+            softmax=True,
+        )
+        with _on_device(value.device):
+            wrap_triton(msda_forward_kernel)[grid](*args, **constexprs)
+    return out
+
+
+@triton_op("msda::backward_softmax", mutates_args=())
+def backward_softmax(
+    grad_output: Tensor,
+    value: Tensor,
+    spatial_shapes: Tensor,
+    level_start_index: Tensor,
+    sampling_locations: Tensor,
+    attention_logits: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    check_backward_args(
+        grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_logits, LOGITS
+    )
+    reject_forward_ad("backward_softmax")
+    level_start_index = check_level_data(value, spatial_shapes, level_start_index)
+    if not uses_triton(value.device) or torch.are_deterministic_algorithms_enabled():  # as msda::backward
+        return torch_impl.backward_softmax(
+            grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_logits
+        )
+
+    B, S, M, D = value.shape
+    _, Q, _, L, K, _ = sampling_locations.shape
+    accumulator = grad_value_accumulator_dtype(value.dtype, value.device, Q, S, L, K)
+    grad_value = torch.zeros(value.shape, dtype=accumulator, device=value.device)
+    grad_loc = torch.empty(sampling_locations.shape, dtype=sampling_locations.dtype, device=value.device)
+    grad_logits = torch.empty(attention_logits.shape, dtype=attention_logits.dtype, device=value.device)
+    # The kernel keeps the gradient of the weights here between its level loop and its softmax
+    # pass. A buffer of its own (the eager fast path reuses grad_logits where the dtypes allow):
+    # two written arguments that alias could keep torch.compile from reinplacing either.
+    scratch = torch.empty(
+        attention_logits.shape,
+        dtype=launch.softmax_scratch_dtype(value, sampling_locations, attention_logits),
+        device=value.device,
+    )
+    if grad_logits.numel() > 0:
+        grid, args, constexprs = launch.backward_call(
+            grad_output if grad_output.stride(2) == 1 else grad_output.contiguous(),
+            value.contiguous(),
+            spatial_shapes.contiguous(),
+            level_start_index.contiguous(),
+            sampling_locations.contiguous(),
+            attention_logits.contiguous(),
+            grad_value,
+            grad_loc,
+            grad_logits,
+            softmax=True,
+            scratch=scratch,
+        )
+        with _on_device(value.device):
+            wrap_triton(msda_backward_kernel)[grid](*args, **constexprs)
+    return grad_value.to(value.dtype), grad_loc, grad_logits
+
+
+@forward_softmax.register_fake
+def _forward_softmax_fake(value, spatial_shapes, level_start_index, sampling_locations, attention_logits):
+    check_forward_args(value, spatial_shapes, level_start_index, sampling_locations, attention_logits, LOGITS)
+    B, _, M, D = value.shape
+    return value.new_empty((B, sampling_locations.shape[1], M * D))
+
+
+@backward_softmax.register_fake
+def _backward_softmax_fake(
+    grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_logits
+):
+    check_backward_args(
+        grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_logits, LOGITS
+    )
+    return (
+        torch.empty_like(value, memory_format=torch.contiguous_format),
+        torch.empty_like(sampling_locations, memory_format=torch.contiguous_format),
+        torch.empty_like(attention_logits, memory_format=torch.contiguous_format),
+    )
+
+
+def _backward_softmax_rule(ctx, grad_output):
+    value, spatial_shapes, level_start_index, sampling_locations, attention_logits = ctx.saved_tensors
+    grad_value, grad_loc, grad_logits = torch.ops.msda.backward_softmax(
+        grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_logits
+    )
+    return grad_value, None, None, grad_loc, grad_logits
+
+
+forward_softmax.register_autograd(_backward_softmax_rule, setup_context=_setup_context)
+_keep_whole_on_cpu(forward_softmax)
+_keep_whole_on_cpu(backward_softmax)
+
+
+def _no_double_backward_softmax(ctx, *grads):
+    raise NotImplementedError(
+        "msda: the softmax form (msda::backward_softmax) has no second derivative; for double "
+        "backward, normalize the logits with torch.softmax and call msda.multi_scale_deformable_attention"
+    )
+
+
+backward_softmax.register_autograd(_no_double_backward_softmax, setup_context=lambda ctx, inputs, output: None)

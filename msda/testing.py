@@ -84,9 +84,11 @@ def make_inputs(
     outside_fraction: float = 0.0,
     seed: int = 0,
     requires_grad: bool = False,
+    logits: bool = False,
 ) -> Inputs:
     """Random inputs (never zeros): value ~ N(0, 1), attention weights softmax-normalized over
-    L*K, locations by `dist`:
+    L*K (with `logits`, the attention_weights field holds the logits instead, N(0, 1): the input
+    of the softmax operators, whose softmax is what the field holds otherwise), locations by `dist`:
 
     - "uniform": uniform in [0, 1];
     - "local": each query's reference point is its own pixel centre when Q equals S (an encoder),
@@ -103,8 +105,8 @@ def make_inputs(
     spatial_shapes = torch.tensor(shape.levels, dtype=torch.int64)
     sizes = spatial_shapes.prod(1)
     level_start_index = sizes.cumsum(0) - sizes
-    logits = torch.randn(B, Q, M, L * K, generator=gen)
-    attention_weights = logits.softmax(-1).view(B, Q, M, L, K)
+    attention_logits = torch.randn(B, Q, M, L * K, generator=gen)
+    attention_weights = (attention_logits if logits else attention_logits.softmax(-1)).view(B, Q, M, L, K)
 
     if dist == "uniform":
         loc = torch.rand(B, Q, M, L, K, 2, generator=gen)
@@ -186,11 +188,28 @@ def reference(
     return out.reshape(B, Q, M * D)
 
 
-def reference_with_grads(inputs: Inputs, grad_output: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(out, grad_value, grad_sampling_locations, grad_attention_weights), all float64."""
+def reference_softmax(
+    value: Tensor,
+    spatial_shapes: Tensor,
+    sampling_locations: Tensor,
+    attention_logits: Tensor,
+) -> Tensor:
+    """`reference` on the float64 softmax of the logits over the L * K samples of each (batch,
+    query, head): the definition of the softmax operators, differentiable by autograd."""
+    logits = attention_logits.to(torch.float64)
+    weights = logits.flatten(-2).softmax(-1).view(logits.shape)
+    return reference(value, spatial_shapes, sampling_locations, weights)
+
+
+def reference_with_grads(
+    inputs: Inputs, grad_output: Tensor, softmax: bool = False
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, grad_value, grad_sampling_locations, grad_attention_weights), all float64. With
+    `softmax`, inputs.attention_weights holds logits (`reference_softmax`), and the last
+    gradient is theirs."""
     value = inputs.value.detach().to(torch.float64).requires_grad_()
     loc = inputs.sampling_locations.detach().to(torch.float64).requires_grad_()
     attn = inputs.attention_weights.detach().to(torch.float64).requires_grad_()
-    out = reference(value, inputs.spatial_shapes, loc, attn)
+    out = (reference_softmax if softmax else reference)(value, inputs.spatial_shapes, loc, attn)
     out.backward(grad_output.detach().to(torch.float64))
     return out.detach(), value.grad, loc.grad, attn.grad

@@ -374,3 +374,48 @@ def _cpu_backward(
         grad_loc.view(sampling_locations.shape).to(sampling_locations.dtype),
         grad_attn.view(attention_weights.shape).to(attention_weights.dtype),
     )
+
+
+# --- The softmax operators: attention logits, normalized over the L * K samples of each head ---
+
+
+def softmax_weights(attention_logits: Tensor, *others: Tensor) -> Tensor:
+    """softmax over the L * K logits of each (batch, query, head), in the compute dtype of the
+    call (float32, float64 for float64 inputs), shaped (B, Q, M, L, K). torch.softmax's
+    semantics: a -inf logit gets weight 0, a row of -inf only or with a +inf or NaN is NaN."""
+    ctype = compute_dtype(attention_logits, *others)
+    B, Q, M, L, K = attention_logits.shape
+    flat = attention_logits.to(ctype).reshape(B, Q, M, L * K)
+    return torch.softmax(flat, dim=-1).view(B, Q, M, L, K)
+
+
+def forward_softmax(
+    value: Tensor,
+    spatial_shapes: Tensor,
+    level_start_index: Tensor,
+    sampling_locations: Tensor,
+    attention_logits: Tensor,
+) -> Tensor:
+    weights = softmax_weights(attention_logits, value, sampling_locations)
+    return forward(value, spatial_shapes, level_start_index, sampling_locations, weights)
+
+
+def backward_softmax(
+    grad_output: Tensor,
+    value: Tensor,
+    spatial_shapes: Tensor,
+    level_start_index: Tensor,
+    sampling_locations: Tensor,
+    attention_logits: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward above with the softmax's weights, then the softmax backward, explicit:
+    d logit_j = p_j * (g_j - sum_i p_i g_i), g the gradient of the normalized weights."""
+    weights = softmax_weights(attention_logits, value, sampling_locations)  # in the compute dtype
+    grad_value, grad_loc, grad_weights = backward(
+        grad_output, value, spatial_shapes, level_start_index, sampling_locations, weights
+    )
+    B, Q, M, L, K = attention_logits.shape
+    p = weights.view(B, Q, M, L * K)
+    g = grad_weights.view(B, Q, M, L * K)
+    grad_logits = p * (g - (p * g).sum(dim=-1, keepdim=True))
+    return grad_value, grad_loc, grad_logits.view(B, Q, M, L, K).to(attention_logits.dtype)

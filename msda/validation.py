@@ -48,6 +48,7 @@ _LAYOUTS = {
     "level_start_index": (1, "(L,)", INDEX_DTYPES),
     "sampling_locations": (6, "(B, Q, M, L, K, 2)", FLOAT_DTYPES),
     "attention_weights": (5, "(B, Q, M, L, K)", FLOAT_DTYPES),
+    "attention_logits": (5, "(B, Q, M, L, K)", FLOAT_DTYPES),  # the softmax operators' weights
     "grad_output": (3, "(B, Q, M * D)", FLOAT_DTYPES),
 }
 
@@ -83,13 +84,17 @@ def check_forward_args(
     level_start_index: Tensor,
     sampling_locations: Tensor,
     attention_weights: Tensor,
+    weights_name: str = "attention_weights",
 ) -> None:
-    """Raise TypeError/ValueError naming the argument for any call outside the contract."""
+    """Raise TypeError/ValueError naming the argument for any call outside the contract.
+
+    `weights_name` is the last argument's name in messages: "attention_logits" for the softmax
+    operators, which take logits there (same shape and dtypes)."""
     check_tensor("value", value)
     check_tensor("spatial_shapes", spatial_shapes)
     check_tensor("level_start_index", level_start_index)
     check_tensor("sampling_locations", sampling_locations)
-    check_tensor("attention_weights", attention_weights)
+    check_tensor(weights_name, attention_weights)
 
     B, S, M, D = value.shape
     L = spatial_shapes.shape[0]
@@ -122,14 +127,14 @@ def check_forward_args(
         (K, "points", "sampling_locations"),
     ]
     for dim, (size, what, source) in enumerate(expected):
-        _expect_size("attention_weights", attn, dim, size, what, source)
+        _expect_size(weights_name, attn, dim, size, what, source)
 
     _check_same_device(
         value=value,
         spatial_shapes=spatial_shapes,
         level_start_index=level_start_index,
         sampling_locations=sampling_locations,
-        attention_weights=attention_weights,
+        **{weights_name: attention_weights},
     )
     if _checks_data(value.device) and _is_eager(value, spatial_shapes, level_start_index):
         _check_levels(S, spatial_shapes, level_start_index)
@@ -142,8 +147,9 @@ def check_backward_args(
     level_start_index: Tensor,
     sampling_locations: Tensor,
     attention_weights: Tensor,
+    weights_name: str = "attention_weights",
 ) -> None:
-    check_forward_args(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    check_forward_args(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, weights_name)
     check_tensor("grad_output", grad_output)
     B, _, M, D = value.shape
     Q = sampling_locations.shape[1]

@@ -1,7 +1,8 @@
 """Compile both kernels for sm_90 (Hopper) with the installed triton, at the launch settings the
-operator picks, across dtypes, (L, K, D), index widths and int64 / int32 spatial shapes. No GPU
-needed: triton's own ptxas runs here. Run it without TRITON_INTERPRET (interpreted kernels cannot
-be compiled).
+operator picks, across dtypes, (L, K, D), index widths and int64 / int32 spatial shapes, each with
+and without the softmax of the attention logits (SOFTMAX: msda::forward_softmax and
+msda::backward_softmax). No GPU needed: triton's own ptxas runs here. Run it without
+TRITON_INTERPRET (interpreted kernels cannot be compiled).
 
     python scripts/compile_check.py [--full]
 
@@ -59,13 +60,19 @@ TIMED_SHAPES = [(4, 32, 32), (8, 16, 32)]
 COMPILE_SECONDS = 60.0
 TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
                 torch.int32: "i32", torch.int64: "i64"}
-OUTPUTS = {"msda_forward_kernel": ["out_ptr"],
-           "msda_backward_kernel": ["grad_value_ptr", "grad_loc_ptr", "grad_attn_ptr"]}
+# What torch.compile must see each kernel write: (kernel, softmax) -> argument names.
+OUTPUTS = {("msda_forward_kernel", False): ["out_ptr"],
+           ("msda_forward_kernel", True): ["out_ptr"],
+           ("msda_backward_kernel", False): ["grad_value_ptr", "grad_loc_ptr", "grad_attn_ptr"],
+           ("msda_backward_kernel", True): ["grad_value_ptr", "grad_loc_ptr", "grad_attn_ptr", "scratch_ptr"]}
 
 
-def kernel_calls(levels: int, points: int, head_dim: int, dtype: str, index_64: bool, index: torch.dtype):
+def kernel_calls(
+    levels: int, points: int, head_dim: int, dtype: str, index_64: bool, index: torch.dtype, softmax: bool = False
+):
     """(kernel, positional arguments, constexprs) of the forward and the backward, as the
-    operator builds them, on tiny CPU tensors."""
+    operator builds them, on tiny CPU tensors; softmax: the softmax operators' calls (the
+    backward with a scratch of its own, as msda::backward_softmax passes it)."""
     value_dtype, loc_dtype, accumulator = DTYPES[dtype]
     B, S, M, Q = 1, 3, 2, 2
     value = torch.zeros(B, S, M, head_dim, dtype=value_dtype)
@@ -75,10 +82,12 @@ def kernel_calls(levels: int, points: int, head_dim: int, dtype: str, index_64: 
     attn = torch.zeros(B, Q, M, levels, points, dtype=loc_dtype)
     out = torch.zeros(B, Q, M * head_dim, dtype=value_dtype)
     grad_value = torch.zeros(value.shape, dtype=accumulator)
+    scratch = torch.zeros(attn.shape, dtype=launch.softmax_scratch_dtype(value, loc, attn)) if softmax else None
     calls = [
-        (msda_forward_kernel, *launch.forward_call(value, shapes, starts, loc, attn, out)[1:]),
+        (msda_forward_kernel, *launch.forward_call(value, shapes, starts, loc, attn, out, softmax=softmax)[1:]),
         (msda_backward_kernel, *launch.backward_call(
-            out, value, shapes, starts, loc, attn, grad_value, torch.zeros_like(loc), torch.zeros_like(attn)
+            out, value, shapes, starts, loc, attn, grad_value, torch.zeros_like(loc), torch.zeros_like(attn),
+            softmax=softmax, scratch=scratch,
         )[1:]),
     ]  # fmt: skip
     for _, _, constexprs in calls:
@@ -134,16 +143,17 @@ def main() -> int:
     full = parser.parse_args().full
     failures = checked = 0
     if full:
-        cases = list(itertools.product(FULL_SHAPES, DTYPES, (False, True), (torch.int64, torch.int32)))
+        cases = list(itertools.product(FULL_SHAPES, DTYPES, (False, True), (torch.int64, torch.int32), (False, True)))
     else:  # 64-bit indices at the preset only: its 16 x 1 forward tiles once crashed with them
-        cases = list(itertools.product(QUICK_SHAPES, DTYPES, (False,), (torch.int64, torch.int32)))
-        cases += list(itertools.product(QUICK_SHAPES[:1], DTYPES, (True,), (torch.int64, torch.int32)))
-    timed = list(itertools.product(TIMED_SHAPES, ("float32", "bfloat16"), (False,), (torch.int64,)))
-    for ((levels, points, head_dim), dtype, index_64, index), is_timed in [(c, False) for c in cases] + [
+        cases = list(itertools.product(QUICK_SHAPES, DTYPES, (False,), (torch.int64, torch.int32), (False, True)))
+        cases += list(itertools.product(QUICK_SHAPES[:1], DTYPES, (True,), (torch.int64, torch.int32), (False, True)))
+    timed = list(itertools.product(TIMED_SHAPES, ("float32", "bfloat16"), (False,), (torch.int64,), (False, True)))
+    for ((levels, points, head_dim), dtype, index_64, index, softmax), is_timed in [(c, False) for c in cases] + [
         (c, True) for c in timed
     ]:
-        for kernel, args, constexprs in kernel_calls(levels, points, head_dim, dtype, index_64, index):
-            what = f"{kernel.__name__} {dtype} L={levels} K={points} D={head_dim} int64={index_64} shapes={index}"
+        for kernel, args, constexprs in kernel_calls(levels, points, head_dim, dtype, index_64, index, softmax):
+            what = (f"{kernel.__name__} {dtype} L={levels} K={points} D={head_dim} int64={index_64} shapes={index}"
+                    f" softmax={softmax}")
             checked += 1
             try:
                 seconds = compile_for_hopper(kernel, args, constexprs, timed=is_timed)
@@ -153,7 +163,7 @@ def main() -> int:
                         raise AssertionError(f"compiled in {seconds:.0f} s, over the {COMPILE_SECONDS:.0f} s bound")
                     continue
                 written = written_arguments(kernel, args, constexprs)
-                if written != sorted(OUTPUTS[kernel.__name__]):
+                if written != sorted(OUTPUTS[kernel.__name__, softmax]):
                     raise AssertionError(f"torch.compile believes it writes {written}")
             except Exception as error:  # report every failing case, not just the first
                 failures += 1

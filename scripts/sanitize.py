@@ -1,4 +1,7 @@
-"""Launch the Triton forward and backward kernels on edge shapes, for compute-sanitizer:
+"""Launch the Triton forward and backward kernels on edge shapes, for compute-sanitizer (each call
+both ways: msda::forward/backward, and the softmax operators msda::forward_softmax/backward_softmax
+with the weights read as logits; on CUDA the eager fast path's softmax backward too, whose scratch
+is grad_logits itself in float32):
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitize.py [--large]
 
@@ -22,18 +25,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: msda
 
-from msda import ops  # noqa: E402
+from msda import eager, ops  # noqa: E402
 from msda.testing_cases import BAD_CALLS, EDGE_CASES, FORWARD_ARGS, valid_args  # noqa: E402
 from msda.validation import FLOAT_DTYPES as DTYPES  # noqa: E402  (every value dtype)
 
 
 def forward_backward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_output):
-    """One forward and one backward launch through the registered operators."""
-    out = torch.ops.msda.forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
-    grads = torch.ops.msda.backward(
-        grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights
-    )
-    return out, *grads
+    """One forward and one backward launch through the registered operators, then through their
+    softmax forms (the weights as logits), then (CUDA) through the eager fast path's softmax form."""
+    args = (value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    torch.ops.msda.forward(*args)
+    torch.ops.msda.backward(grad_output, *args)
+    torch.ops.msda.forward_softmax(*args)
+    torch.ops.msda.backward_softmax(grad_output, *args)
+    if value.is_cuda and grad_output.numel() > 0:
+        eager.launch_forward(*args, softmax=True)
+        eager.launch_backward(grad_output, *args, softmax=True)
 
 
 def large_call(device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -84,7 +91,7 @@ def main() -> int:
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     print(
-        f"sanitize: {launched} forward+backward calls launched on {name} "
+        f"sanitize: {launched} forward+backward calls launched on {name}, each plain and softmax "
         f"({len(EDGE_CASES)} edge cases x {len(DTYPES)} dtypes, {len(unchecked)} unchecked bad inputs"
         f"{', 1 value > 2**31 elements' if args.large else ''}; {empty} empty calls launch nothing)"
     )

@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 from torch.export import Dim
 
 import msda
-from msda.testing import TOLERANCE, reference, relative_error
+from msda.testing import TOLERANCE, reference, reference_softmax, relative_error
 
 D_MODEL, LEVELS, HEADS, POINTS, D_FFN = 64, 2, 4, 3, 128
 STRIDES = (8, 16)  # one feature level per stride, as a backbone's C3 and C4
@@ -53,12 +53,13 @@ class DeformableDecoderBlock(nn.Module):
         return self.norm2(x + self.linear2(torch.relu(self.linear1(x))))
 
 
-def make_block(device="cpu", seed=0) -> DeformableDecoderBlock:
+def make_block(device="cpu", seed=0, fused_softmax=True) -> DeformableDecoderBlock:
     """A block whose parameters are all perturbed from their initialization, so that attention
     is not uniform, offsets depend on the query and no sample sits on the pixel lattice (where
     bilinear interpolation has kinks and the one-sided gradient depends on rounding)."""
     torch.manual_seed(seed)
     block = DeformableDecoderBlock()
+    block.cross_attn.fused_softmax = fused_softmax
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in block.parameters():
@@ -114,15 +115,22 @@ def outputs_and_grads(block, args, grad_output=None):
 
 
 def oracle_outputs_and_grads(block, args, grad_output):
-    """The same in float64 on the inputs' device, with the operator replaced by
-    msda.testing.reference (written from the definition, independent of the operator)."""
+    """The same in float64 on the inputs' device, with the operators replaced by
+    msda.testing.reference and reference_softmax (written from the definition, independent of
+    the operators)."""
 
     def reference_op(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
         return reference(value, spatial_shapes, sampling_locations, attention_weights)
 
+    def reference_softmax_op(value, spatial_shapes, level_start_index, sampling_locations, attention_logits):
+        return reference_softmax(value, spatial_shapes, sampling_locations, attention_logits)
+
     block64 = copy.deepcopy(block).double()
     args64 = tuple(a.double() if a.is_floating_point() else a for a in args)
-    with mock.patch.object(msda.layer, "multi_scale_deformable_attention", reference_op):
+    with (
+        mock.patch.object(msda.layer, "multi_scale_deformable_attention", reference_op),
+        mock.patch.object(msda.layer, "multi_scale_deformable_attention_softmax", reference_softmax_op),
+    ):
         return outputs_and_grads(block64, args64, grad_output.double())
 
 
@@ -152,20 +160,23 @@ def dynamic_shapes():
 
 
 def msda_forward_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    return [node for node in graph.nodes if node.target is torch.ops.msda.forward.default]
+    """The graph's calls of msda's forward operators (the layer calls msda::forward_softmax, or
+    msda::forward with fused_softmax=False)."""
+    targets = (torch.ops.msda.forward.default, torch.ops.msda.forward_softmax.default)
+    return [node for node in graph.nodes if node.target in targets]
 
 
 # The checks shared by the CPU tier (tests/test_layer_compile_export.py, the pure-PyTorch path
 # inside the operator) and the GPU tier (tests/gpu, the Triton kernels).
 
 
-def check_one_graph_for_all_sizes(device) -> None:
+def check_one_graph_for_all_sizes(device, fused_softmax=True) -> None:
     """torch.compile(fullgraph=True, dynamic=True) of the block: the first call compiles one
     graph (forward and backward), which then serves every call of CALLS with no recompilation;
     outputs and gradients equal eager and the float64 oracle within the float32 bound of docs/contract.md."""
     torch._dynamo.reset()
     counters.clear()
-    block = make_block(device)
+    block = make_block(device, fused_softmax=fused_softmax)
     compiled = torch.compile(block, fullgraph=True, dynamic=True)
     bound = TOLERANCE[torch.float32]
     for call, (batch, image_size, queries) in enumerate(CALLS):
@@ -198,16 +209,17 @@ def export_block(block) -> torch.export.ExportedProgram:
     return torch.export.export(block, example, dynamic_shapes=dynamic_shapes())
 
 
-def check_export_round_trip(device, path) -> None:
+def check_export_round_trip(device, path, fused_softmax=True) -> None:
     """torch.export of the block with dynamic batch, queries and image size: the operator is
-    one node; the program and its torch.export.save / load round trip match eager at other
-    sizes (batch 1 included)."""
-    block = make_block(device).eval()
+    one node (msda::forward_softmax, or msda::forward with fused_softmax=False); the program and
+    its torch.export.save / load round trip match eager at other sizes (batch 1 included)."""
+    block = make_block(device, fused_softmax=fused_softmax).eval()
     exported = export_block(block)
-    assert len(msda_forward_nodes(exported.graph)) == 1, exported.graph
+    op = torch.ops.msda.forward_softmax.default if fused_softmax else torch.ops.msda.forward.default
+    assert [node.target for node in msda_forward_nodes(exported.graph)] == [op], exported.graph
     torch.export.save(exported, path)
     loaded = torch.export.load(path)
-    assert len(msda_forward_nodes(loaded.graph)) == 1, loaded.graph
+    assert [node.target for node in msda_forward_nodes(loaded.graph)] == [op], loaded.graph
 
     bound = TOLERANCE[torch.float32]
     for seed, (batch, image_size, queries) in enumerate([(5, IMAGE_SIZES[1], 70), (1, IMAGE_SIZES[2], 7)], 1):

@@ -21,13 +21,16 @@ def forward_backward(inputs: Inputs, grad_output: Tensor, fn=msda.multi_scale_de
     return out.detach(), value.grad, loc.grad, attn.grad
 
 
-def assert_matches_reference(inputs: Inputs, results, grad_output: Tensor, scale: float = 1.0) -> dict[str, float]:
+def assert_matches_reference(
+    inputs: Inputs, results, grad_output: Tensor, scale: float = 1.0, softmax: bool = False
+) -> dict[str, float]:
     """Assert output and gradients are within the bound of docs/contract.md of the float64 reference.
 
     The bound is that of the least precise dtype among the inputs (a float16 value limits the
-    accuracy of the location gradient too). Returns the errors for printing.
+    accuracy of the location gradient too). softmax: inputs.attention_weights holds logits, the
+    softmax operators' input (msda.testing.reference_softmax). Returns the errors for printing.
     """
-    expected = reference_with_grads(inputs, grad_output)
+    expected = reference_with_grads(inputs, grad_output, softmax=softmax)
     dtypes = (inputs.value.dtype, inputs.sampling_locations.dtype, inputs.attention_weights.dtype)
     bound = tolerance(*dtypes) * scale
     errors = {}

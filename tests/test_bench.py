@@ -233,7 +233,8 @@ def test_smoke_preset_end_to_end(tmp_path):
     assert schema.validate(results) == []
     assert results["complete"] and results["config"]["device"] == "cpu"
     rows = {(r["variant"], r["pass"]): r for r in results["rows"]}
-    for variant in ("msda", "msda-autograd", "reference", "reference-compile", "block", "block-compile"):
+    for variant in ("msda", "msda-autograd", "reference", "reference-compile", "block", "block-compile",
+                    "block-unfused", "block-unfused-compile"):
         for p in ("forward", "backward"):
             r = rows[variant, p]
             assert r["status"] == "ok", r
@@ -245,7 +246,7 @@ def test_smoke_preset_end_to_end(tmp_path):
     assert rows["msda", "forward"]["floor_fraction"] > 0
     for variant in ("msda-graph", "block-reduce-overhead"):
         assert rows[variant, "forward"]["status"] == "skipped"
-    for peer in ("deformops", "mmcv"):
+    for peer in ("deformops", "mmcv", "block-deformops"):
         assert rows[peer, "forward"]["status"] in ("ok", "unavailable", "error")
         assert rows[peer, "forward"]["note"] or rows[peer, "forward"]["status"] == "ok"
     markdown = (out / "results.md").read_text()

@@ -56,7 +56,7 @@ def test_default_runs_the_tier_and_the_bench(tmp_path):
     assert len(runs) == 4  # three GPU groups and the rest of the tests
     assert all("--timeout=" in c for c in runs)
     rest = next(c for c in runs if "--ignore=tests/gpu" in c)
-    assert "-n 6" in rest and "--timeout=900" in rest
+    assert "-n 6" in rest and "--timeout=1200" in rest
     assert any(c.startswith("compute-sanitizer --tool memcheck") for c in calls)
     assert any(c.startswith(f"python3 -m bench --out {tmp_path / 'out' / 'bench'}") for c in calls)
     assert (tmp_path / "out" / "rest.log").read_text().strip() == "3 passed in 0.01s"

@@ -16,5 +16,6 @@ def test_block_compiles_to_one_graph_for_all_image_sizes():
     check_one_graph_for_all_sizes("cpu")
 
 
-def test_block_exports_with_dynamic_batch_queries_and_image_size(tmp_path):
-    check_export_round_trip("cpu", tmp_path / "block.pt2")
+@pytest.mark.parametrize("fused_softmax", [True, False], ids=["fused-softmax", "unfused"])
+def test_block_exports_with_dynamic_batch_queries_and_image_size(tmp_path, fused_softmax):
+    check_export_round_trip("cpu", tmp_path / "block.pt2", fused_softmax)

@@ -18,7 +18,7 @@ import onnx  # noqa: E402
 
 import msda  # noqa: E402
 import msda.onnx  # noqa: E402
-from msda.testing import TOLERANCE, Shape, make_inputs, reference, relative_error  # noqa: E402
+from msda.testing import TOLERANCE, Shape, make_inputs, reference, reference_softmax, relative_error  # noqa: E402
 
 from . import detr_block  # noqa: E402
 
@@ -65,11 +65,13 @@ def test_layer_exports_to_standard_onnx_that_onnxruntime_runs_at_other_sizes(blo
     path = tmp_path / "block.onnx"
     model = export_block(block, path)
 
-    # Standard operators only: one GridSample per level, read from the graph's level shapes.
+    # Standard operators only: one GridSample per level, read from the graph's level shapes, and
+    # the layer's softmax (msda::forward_softmax) one Softmax.
     assert {node.domain for node in model.graph.node} == {""}
     assert [op.domain for op in model.opset_import] == [""]
     ops = [node.op_type for node in model.graph.node]
     assert ops.count("GridSample") == detr_block.LEVELS
+    assert ops.count("Softmax") == 1
     assert not SCATTERS & set(ops)
     inputs = {info.name: dims(info) for info in model.graph.input}
     assert inputs["query"] == ["batch", "queries", detr_block.D_MODEL]
@@ -91,18 +93,18 @@ def test_layer_exports_to_standard_onnx_that_onnxruntime_runs_at_other_sizes(blo
 
 
 class Attention(torch.nn.Module):
-    """msda.multi_scale_deformable_attention; with_starts=False passes None (starts computed in
-    the graph from the shapes)."""
+    """msda.multi_scale_deformable_attention (with softmax=True, its softmax form on logits);
+    with_starts=False passes None (starts computed in the graph from the shapes)."""
 
-    def __init__(self, with_starts=True):
+    def __init__(self, with_starts=True, softmax=False):
         super().__init__()
         self.with_starts = with_starts
+        self.softmax = softmax
 
     def forward(self, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
         starts = level_start_index if self.with_starts else None
-        return msda.multi_scale_deformable_attention(
-            value, spatial_shapes, starts, sampling_locations, attention_weights
-        )
+        fn = msda.multi_scale_deformable_attention_softmax if self.softmax else msda.multi_scale_deformable_attention
+        return fn(value, spatial_shapes, starts, sampling_locations, attention_weights)
 
 
 def with_non_finite_locations(loc: torch.Tensor) -> torch.Tensor:
@@ -113,26 +115,29 @@ def with_non_finite_locations(loc: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "dtype, loc_dtype, shapes_dtype, with_starts, opset",
+    "dtype, loc_dtype, shapes_dtype, with_starts, opset, softmax",
     [
         # The lowest opset with GridSample: the exporter writes opset 18, then converts.
-        (torch.float32, torch.float32, torch.int64, True, 16),
+        (torch.float32, torch.float32, torch.int64, True, 16, False),
         # float16 value with float32 locations (the translation computes in float32), int32
         # level shapes, level starts computed in the graph (the exporter's default opset, 20:
         # onnx's conversion to 16 or 17 breaks the ReduceProd of level_start_index_from_shapes).
-        (torch.float16, torch.float32, torch.int32, False, None),
+        (torch.float16, torch.float32, torch.int32, False, None, False),
+        # msda::forward_softmax: a Softmax of the logits, then the same.
+        (torch.float32, torch.float32, torch.int64, True, 16, True),
+        (torch.float16, torch.float32, torch.int32, False, None, True),
     ],
 )
-def test_translation_table_in_torch_onnx_export(tmp_path, dtype, loc_dtype, shapes_dtype, with_starts, opset):
+def test_translation_table_in_torch_onnx_export(tmp_path, dtype, loc_dtype, shapes_dtype, with_starts, opset, softmax):
     def inputs(shape, seed, **kwargs):
-        args = list(make_inputs(shape, dtype, loc_dtype=loc_dtype, seed=seed, **kwargs).args())
+        args = list(make_inputs(shape, dtype, loc_dtype=loc_dtype, seed=seed, logits=softmax, **kwargs).args())
         args[1], args[2] = args[1].to(shapes_dtype), args[2].to(shapes_dtype)
         return args
 
     batch, queries, tokens = Dim("batch", min=1), Dim("queries", min=1), Dim("tokens", min=1)
     path = tmp_path / "attention.onnx"
     torch.onnx.export(
-        Attention(with_starts).eval(),
+        Attention(with_starts, softmax).eval(),
         tuple(inputs(Shape(2, 5, 2, 4, ((6, 5), (3, 3)), 3), seed=0)),
         path,
         dynamo=True,
@@ -143,13 +148,17 @@ def test_translation_table_in_torch_onnx_export(tmp_path, dtype, loc_dtype, shap
     model = onnx.load(path)
     assert model.opset_import[0].version == (opset or 20)
     assert [node.op_type for node in model.graph.node].count("GridSample") == 2
+    assert [node.op_type for node in model.graph.node].count("Softmax") == int(softmax)
 
-    # Other batch, queries and level sizes; locations outside the levels, NaN, inf and huge.
+    # Other batch, queries and level sizes; locations outside the levels, NaN, inf and huge;
+    # -inf logits (weight 0).
     args = inputs(Shape(3, 7, 2, 4, ((9, 4), (2, 7)), 3), seed=1, outside_fraction=0.1)
     args[3] = with_non_finite_locations(args[3])
+    if softmax:
+        args[4].view(-1)[::5] = -math.inf
     (actual,) = run_onnx(path, args)
     assert actual.dtype == dtype
-    expected = reference(args[0], args[1], args[3], args[4])
+    expected = (reference_softmax if softmax else reference)(args[0], args[1], args[3], args[4])
     assert relative_error(actual, expected) <= TOLERANCE[dtype]
 
 
@@ -172,9 +181,14 @@ def test_plugin_form_is_one_node_of_the_plugins_signature(block, tmp_path, plugi
     assert "GridSample" not in ops and not SCATTERS & ops
 
     # value, spatial_shapes, level_start_index, sampling_locations, attention_weights; the level
-    # shapes as int32 by a Cast of the int64 graph inputs.
+    # shapes as int32 by a Cast of the int64 graph inputs; the weights the layer's logits after a
+    # Softmax (msda::forward_softmax), reshaped to (B, Q, M, L, K).
     assert len(node.input) == 5
     producers = {output: n for n in model.graph.node for output in n.output}
+    weights = producers[node.input[4]]
+    while weights.op_type in ("Reshape", "Cast"):
+        weights = producers[weights.input[0]]
+    assert weights.op_type == "Softmax"
     for position, graph_input in ((1, "spatial_shapes"), (2, "level_start_index")):
         cast = producers[node.input[position]]
         assert cast.op_type == "Cast" and list(cast.input) == [graph_input]

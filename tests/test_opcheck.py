@@ -1,5 +1,6 @@
-"""torch.library.opcheck of both operators: schema, autograd registration, fake tensors and
-AOT dispatch with dynamic shapes, on the pure-PyTorch path and through the Triton kernels."""
+"""torch.library.opcheck of the four operators (msda::forward, msda::backward and their softmax
+forms): schema, autograd registration, fake tensors and AOT dispatch with dynamic shapes, on the
+pure-PyTorch path and through the Triton kernels."""
 
 import pytest
 import torch
@@ -42,3 +43,28 @@ def test_backward_expanded_grad_output(test_utils):
     inputs = make_inputs(SHAPE, torch.float32, DEVICE, seed=33)
     grad_output = torch.ones((), device=DEVICE).expand(SHAPE.batch, SHAPE.queries, SHAPE.heads * SHAPE.head_dim)
     torch.library.opcheck(torch.ops.msda.backward.default, (grad_output, *inputs.args()), test_utils=test_utils)
+
+
+# The softmax operators: logits in place of the weights.
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_forward_softmax(test_utils, dtype):
+    inputs = make_inputs(SHAPE, dtype, DEVICE, outside_fraction=0.2, seed=34, requires_grad=True, logits=True)
+    torch.library.opcheck(torch.ops.msda.forward_softmax.default, inputs.args(), test_utils=test_utils)
+
+
+def test_backward_softmax(test_utils):
+    inputs = make_inputs(SHAPE, torch.float32, DEVICE, seed=35, logits=True)
+    grad_output = torch.randn(SHAPE.batch, SHAPE.queries, SHAPE.heads * SHAPE.head_dim, device=DEVICE)
+    torch.library.opcheck(
+        torch.ops.msda.backward_softmax.default, (grad_output, *inputs.args()), test_utils=test_utils
+    )
+
+
+def test_backward_softmax_expanded_grad_output(test_utils):
+    inputs = make_inputs(SHAPE, torch.float32, DEVICE, seed=36, logits=True)
+    grad_output = torch.ones((), device=DEVICE).expand(SHAPE.batch, SHAPE.queries, SHAPE.heads * SHAPE.head_dim)
+    torch.library.opcheck(
+        torch.ops.msda.backward_softmax.default, (grad_output, *inputs.args()), test_utils=test_utils
+    )

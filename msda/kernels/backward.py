@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .sampling import finite_or_nan, level_ok, place_sample
+from .sampling import finite_or_nan, level_ok, place_sample, softmax_stats
 
 
 # Sizes and strides vary with the image: not specialized (see forward.py).
@@ -20,10 +20,11 @@ def msda_backward_kernel(
     shapes_ptr,  # (L, 2)
     starts_ptr,  # (L,), read if LEVEL_STARTS
     loc_ptr,  # (B, Q, M, L, K, 2), contiguous
-    attn_ptr,  # (B, Q, M, L, K), contiguous
+    attn_ptr,  # (B, Q, M, L, K), contiguous: the weights, or with SOFTMAX the logits
     grad_value_ptr,  # (B, S, M, D) zeros: value's dtype or the float32 accumulator
     grad_loc_ptr,  # like loc
     grad_attn_ptr,  # like attn
+    scratch_ptr,  # with SOFTMAX: (B, Q, M, L, K) in COMPUTE, may be grad_attn itself; else unused
     num_queries,
     num_values,
     NUM_HEADS: tl.constexpr,
@@ -38,6 +39,7 @@ def msda_backward_kernel(
     COMPUTE: tl.constexpr,
     INDEX_64: tl.constexpr,
     LEVEL_STARTS: tl.constexpr,  # False: level_start_index was not given, sum the level sizes
+    SOFTMAX: tl.constexpr,  # attn_ptr holds logits: weights are their softmax, grad_attn is d/d logits
 ):
     # The forward's program layout and tile (msda/kernels/forward.py explains both).
     pid = tl.program_id(0)
@@ -67,6 +69,15 @@ def msda_backward_kernel(
         other=0.0,
     ).to(COMPUTE)  # [1, BLOCK_Q, BLOCK_D // CHUNK, CHUNK]
 
+    if SOFTMAX:
+        # The weights p = exp(logit - row_max) * row_scale (as in the forward). The softmax
+        # backward, d logit_j = p_j * (g_j - sum_i p_i g_i) with g the gradient of the weights,
+        # needs all L * K of a query's g before any d logit: the level loop writes each g to
+        # scratch (in COMPUTE: a half-precision g would lose the bits that g - sum cancels) and
+        # sums p * g per query; a last pass reads g back and writes d logit.
+        row_max, row_scale = softmax_stats(attn_ptr, first_param, q_ok, group, LK, GROUPS, UNROLL, COMPUTE)
+        weighted_grad = tl.zeros([GROUPS, BLOCK_Q], dtype=COMPUTE)  # p * g, summed over the samples
+
     start = b * 0  # the level's first row, in the index dtype
     for level in tl.range(0, NUM_LEVELS):
         h = tl.load(shapes_ptr + 2 * level).to(b.dtype)
@@ -80,7 +91,11 @@ def msda_backward_kernel(
                 point = point_step + unrolled * GROUPS + group
                 mask = (point < NUM_POINTS) & q_ok
                 param = first_param + level * NUM_POINTS + point  # [GROUPS, BLOCK_Q]
-                attn = tl.load(attn_ptr + param, mask=mask, other=0.0).to(COMPUTE)
+                if SOFTMAX:  # masked logits -inf: weight exactly 0
+                    attn = tl.load(attn_ptr + param, mask=mask, other=float("-inf")).to(COMPUTE)
+                    attn = tl.exp(attn - row_max) * row_scale
+                else:
+                    attn = tl.load(attn_ptr + param, mask=mask, other=0.0).to(COMPUTE)
                 x = tl.load(loc_ptr + 2 * param, mask=mask, other=0.0)
                 y = tl.load(loc_ptr + 2 * param + 1, mask=mask, other=0.0)
                 x0, y0, fx, fy, left, right, top, bottom = place_sample(x, y, h, w, usable, mask, COMPUTE)
@@ -131,11 +146,31 @@ def msda_backward_kernel(
                 # d/dx_im of the bilinear weights, then the chain rule through x_im = x * W - 0.5.
                 grad_x = ((1.0 - fy) * (dot_tr - dot_tl) + fy * (dot_br - dot_bl)) * attn * w.to(COMPUTE)
                 grad_y = ((1.0 - fx) * (dot_bl - dot_tl) + fx * (dot_br - dot_tr)) * attn * h.to(COMPUTE)
-                tl.store(grad_attn_ptr + param, grad_attn.to(grad_attn_ptr.dtype.element_ty), mask=mask)
+                if SOFTMAX:
+                    tl.store(scratch_ptr + param, grad_attn.to(scratch_ptr.dtype.element_ty), mask=mask)
+                    weighted_grad += tl.where(mask, attn * grad_attn, 0.0)
+                else:
+                    tl.store(grad_attn_ptr + param, grad_attn.to(grad_attn_ptr.dtype.element_ty), mask=mask)
                 tl.store(grad_loc_ptr + 2 * param, grad_x.to(grad_loc_ptr.dtype.element_ty), mask=mask)
                 tl.store(grad_loc_ptr + 2 * param + 1, grad_y.to(grad_loc_ptr.dtype.element_ty), mask=mask)
         if not LEVEL_STARTS:
             start += h * w
+
+    if SOFTMAX:
+        weighted_sum = tl.sum(weighted_grad, axis=0, keep_dims=True)  # [1, BLOCK_Q]
+        tl.debug_barrier()  # every g of the program's queries written (by whichever thread)
+        for step in tl.range(0, LK, GROUPS * UNROLL):
+            for unrolled in tl.static_range(UNROLL):
+                j = step + unrolled * GROUPS + group
+                mask = (j < LK) & q_ok
+                logit = tl.load(attn_ptr + first_param + j, mask=mask, other=float("-inf")).to(COMPUTE)
+                p = finite_or_nan(tl.exp(logit - row_max) * row_scale)
+                g = tl.load(scratch_ptr + first_param + j, mask=mask, other=0.0).to(COMPUTE)
+                grad_logit = p * (g - weighted_sum)
+                # scratch may be grad_attn itself: every thread holding this element has read
+                # its g before any writes d logit over it.
+                tl.debug_barrier()
+                tl.store(grad_attn_ptr + first_param + j, grad_logit.to(grad_attn_ptr.dtype.element_ty), mask=mask)
 
 
 # Half-precision atomics round at every add. That costs nothing where few samples land on each

@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .sampling import finite_or_nan, level_ok, place_sample
+from .sampling import finite_or_nan, level_ok, place_sample, softmax_stats
 
 
 @triton.jit
@@ -23,6 +23,8 @@ def _sample_level(
     group,
     channel,
     num_values,
+    row_max,
+    row_scale,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_POINTS: tl.constexpr,
@@ -30,8 +32,10 @@ def _sample_level(
     UNROLL: tl.constexpr,
     COMPUTE: tl.constexpr,
     LEVEL_STARTS: tl.constexpr,
+    SOFTMAX: tl.constexpr,
 ):
-    """Add the level's samples to `acc`; returns it and the next level's first row."""
+    """Add the level's samples to `acc`; returns it and the next level's first row. With
+    SOFTMAX, attn_ptr holds logits, weighted exp(logit - row_max) * row_scale."""
     ROW: tl.constexpr = NUM_HEADS * HEAD_DIM  # elements between horizontally adjacent pixels
     h = tl.load(shapes_ptr + 2 * level).to(b.dtype)
     w = tl.load(shapes_ptr + 2 * level + 1).to(b.dtype)
@@ -45,7 +49,11 @@ def _sample_level(
             point = point_step + unrolled * GROUPS + group  # [GROUPS, 1]
             mask = (point < NUM_POINTS) & q_ok
             param = first_param + level * NUM_POINTS + point  # [GROUPS, BLOCK_Q]
-            attn = tl.load(attn_ptr + param, mask=mask, other=0.0).to(COMPUTE)
+            if SOFTMAX:  # masked logits -inf: weight exactly 0 (exp(0 - row_max) could overflow)
+                attn = tl.load(attn_ptr + param, mask=mask, other=float("-inf")).to(COMPUTE)
+                attn = tl.exp(attn - row_max) * row_scale
+            else:
+                attn = tl.load(attn_ptr + param, mask=mask, other=0.0).to(COMPUTE)
             # x and y interleave: one 8-byte load for both.
             xy = tl.load(
                 loc_ptr + 2 * param[:, :, None] + tl.arange(0, 2)[None, None, :], mask=mask[:, :, None], other=0.0
@@ -78,7 +86,7 @@ def msda_forward_kernel(
     shapes_ptr,  # (L, 2) int32/int64
     starts_ptr,  # (L,) int32/int64, read if LEVEL_STARTS
     loc_ptr,  # (B, Q, M, L, K, 2), contiguous
-    attn_ptr,  # (B, Q, M, L, K), contiguous
+    attn_ptr,  # (B, Q, M, L, K), contiguous: the weights, or with SOFTMAX the logits
     out_ptr,  # (B, Q, M * D), contiguous
     num_queries,
     num_values,
@@ -95,6 +103,7 @@ def msda_forward_kernel(
     COMPUTE: tl.constexpr,  # tl.float32, or tl.float64 for float64 inputs
     INDEX_64: tl.constexpr,
     LEVEL_STARTS: tl.constexpr,  # False: level_start_index was not given, sum the level sizes
+    SOFTMAX: tl.constexpr,  # attn_ptr holds logits: weights are their softmax over the L * K samples
 ):
     # One program: BLOCK_Q queries of one (batch, head); neighbouring programs take the next
     # queries of the same head, so the programs that share an SM share that head's value rows
@@ -118,6 +127,14 @@ def msda_forward_kernel(
     channel = channel[None, None, :, :]
     first_param = ((b * num_queries + q[None, :]) * NUM_HEADS + m) * (NUM_LEVELS * NUM_POINTS)  # [1, BLOCK_Q]
 
+    if SOFTMAX:  # a first pass over the query's L * K logits: their max and softmax denominator
+        row_max, row_scale = softmax_stats(
+            attn_ptr, first_param, q_ok, group, NUM_LEVELS * NUM_POINTS, GROUPS, UNROLL, COMPUTE
+        )
+    else:  # unused
+        row_max = tl.zeros([1, BLOCK_Q], dtype=COMPUTE)
+        row_scale = row_max
+
     acc = tl.zeros([GROUPS, BLOCK_Q, BLOCK_D // CHUNK, CHUNK], dtype=COMPUTE)
     start = b * 0  # the level's first row, in the index dtype
     # A loop over levels, unrolled only where there are few samples in all: compile time grows
@@ -126,13 +143,15 @@ def msda_forward_kernel(
         for level in tl.static_range(NUM_LEVELS):
             acc, start = _sample_level(
                 acc, start, level, value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr, b, m, first_param, q_ok,
-                group, channel, num_values, NUM_HEADS, HEAD_DIM, NUM_POINTS, GROUPS, UNROLL, COMPUTE, LEVEL_STARTS,
+                group, channel, num_values, row_max, row_scale, NUM_HEADS, HEAD_DIM, NUM_POINTS, GROUPS, UNROLL,
+                COMPUTE, LEVEL_STARTS, SOFTMAX,
             )  # fmt: skip
     else:
         for level in tl.range(0, NUM_LEVELS):
             acc, start = _sample_level(
                 acc, start, level, value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr, b, m, first_param, q_ok,
-                group, channel, num_values, NUM_HEADS, HEAD_DIM, NUM_POINTS, GROUPS, UNROLL, COMPUTE, LEVEL_STARTS,
+                group, channel, num_values, row_max, row_scale, NUM_HEADS, HEAD_DIM, NUM_POINTS, GROUPS, UNROLL,
+                COMPUTE, LEVEL_STARTS, SOFTMAX,
             )  # fmt: skip
 
     out = tl.sum(acc, axis=0)  # [BLOCK_Q, BLOCK_D // CHUNK, CHUNK]

@@ -86,6 +86,11 @@ def compute_dtype(*tensors: Tensor):
     return tl.float64 if any(t.dtype == torch.float64 for t in tensors) else tl.float32
 
 
+def softmax_scratch_dtype(*tensors: Tensor) -> torch.dtype:
+    """The dtype of the backward's softmax scratch: the compute dtype of a call on `tensors`."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
 def needs_int64(*tensors: Tensor) -> bool:
     """Whether an element offset into any of `tensors` can reach 2**31 (then kernels index in
     int64; int32 otherwise, which saves registers on every gathered address)."""
@@ -107,10 +112,13 @@ def forward_call(
     attention_weights: Tensor,
     out: Tensor,
     config: TileConfig | None = None,
+    *,
+    softmax: bool = False,
 ) -> tuple[tuple[int], tuple, dict]:
     """(grid, positional arguments, constexpr arguments) of msda_forward_kernel. The tensors must
-    be contiguous; level_start_index None has the kernel sum the level sizes. int() specializes
-    the per-model constants M, L, K, D under dynamic shapes; B, Q and S stay symbolic."""
+    be contiguous; level_start_index None has the kernel sum the level sizes; softmax: the last
+    tensor holds logits, normalized in the kernel. int() specializes the per-model constants
+    M, L, K, D under dynamic shapes; B, Q and S stay symbolic."""
     B, S, M, D = value.shape
     _, Q, _, L, K, _ = sampling_locations.shape
     L, K, M, D = int(L), int(K), int(M), int(D)
@@ -125,6 +133,7 @@ def forward_call(
         COMPUTE=compute_dtype(value, sampling_locations, attention_weights),
         INDEX_64=needs_int64(value, sampling_locations, out),
         LEVEL_STARTS=level_start_index is not None,
+        SOFTMAX=softmax,
     )
     grid = (_cdiv(Q, constexprs["BLOCK_Q"]) * B * M,)
     starts = spatial_shapes if level_start_index is None else level_start_index  # unread if None
@@ -143,10 +152,17 @@ def backward_call(
     grad_loc: Tensor,
     grad_attn: Tensor,
     config: TileConfig | None = None,
+    *,
+    softmax: bool = False,
+    scratch: Tensor | None = None,
 ) -> tuple[tuple[int], tuple, dict]:
     """(grid, positional arguments, constexpr arguments) of msda_backward_kernel; grad_output's
     channels must be contiguous (its other strides may be anything, 0 included), the other
-    tensors contiguous, grad_value zeroed."""
+    tensors contiguous, grad_value zeroed.
+
+    softmax: attention_weights holds logits and grad_attn gets their gradient; the kernel then
+    needs `scratch`, contiguous like them in the compute dtype (`softmax_scratch_dtype`), which
+    may be grad_attn itself when that has the compute dtype."""
     B, S, M, D = value.shape
     _, Q, _, L, K, _ = sampling_locations.shape
     L, K, M, D = int(L), int(K), int(M), int(D)
@@ -160,7 +176,10 @@ def backward_call(
         COMPUTE=compute_dtype(value, sampling_locations, attention_weights),
         INDEX_64=needs_int64(value, sampling_locations, grad_output),
         LEVEL_STARTS=level_start_index is not None,
+        SOFTMAX=softmax,
     )
+    if softmax and scratch is None:
+        raise ValueError("backward_call: softmax=True needs a scratch tensor")
     grid = (_cdiv(Q, constexprs["BLOCK_Q"]) * B * M,)
     args = (
         grad_output,
@@ -174,6 +193,9 @@ def backward_call(
         grad_value,
         grad_loc,
         grad_attn,
+        # Unused without softmax: an input then, never an output (two outputs that alias would
+        # trouble torch.compile's reinplacing of the kernel's writes).
+        scratch if softmax else attention_weights,
         Q,
         S,
     )

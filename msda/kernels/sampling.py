@@ -1,10 +1,13 @@
-"""Triton helpers shared by the forward and backward kernels: where a sample lands.
+"""Triton helpers shared by the forward and backward kernels: where a sample lands, and the
+softmax statistics of the softmax operators.
 
 These helpers take no pointers, and the kernels load their inputs themselves: torch.compile
 decides which tensors a Triton kernel writes by tracing each store's address back through the
 kernel's TTIR, and through a call it reaches every argument of the call. A helper that loaded
 the locations and returned the value rows they point at made it believe the backward writes
 `sampling_locations`, `attention_weights` and both index tensors (bench/NOTES.md, entry 9).
+The one exception, `softmax_stats`, loads the logits but returns no address: two numbers per
+query, which no store's address is computed from (scripts/compile_check.py checks the analysis).
 """
 
 import triton
@@ -79,3 +82,43 @@ def finite_or_nan(a):
     """A non-finite attention weight becomes NaN, so its (query, head) output is NaN whatever
     its corners (inf * 0 on an outside corner is NaN, inf * v inside is inf: NaN in both)."""
     return tl.where(a - a == 0.0, a, float("nan"))
+
+
+@triton.jit
+def softmax_stats(
+    logits_ptr,
+    first_param,
+    q_ok,
+    group,
+    NUM_LOGITS: tl.constexpr,  # L * K
+    GROUPS: tl.constexpr,
+    UNROLL: tl.constexpr,
+    COMPUTE: tl.constexpr,
+):
+    """(row_max, row_scale), [1, BLOCK_Q] each: the largest of each query's NUM_LOGITS logits
+    (at first_param, contiguous) and 1 / sum(exp(logit - row_max)), so that a sample's softmax
+    weight is exp(logit - row_max) * row_scale. Two passes over the logits (they are few, and
+    in L1 the second time), in the kernels' [GROUPS, BLOCK_Q] tile, reduced over the groups.
+
+    torch.softmax's semantics: a -inf logit gets weight 0; a row of -inf only (-inf - -inf), or
+    one with a +inf (inf - inf) or a NaN, sums to NaN, so all its weights are NaN. Logits past
+    the row (masked) are -inf: they add exp(-inf) = 0."""
+    BLOCK_Q: tl.constexpr = first_param.shape[1]
+    largest = tl.full([GROUPS, BLOCK_Q], float("-inf"), COMPUTE)
+    for step in tl.range(0, NUM_LOGITS, GROUPS * UNROLL):
+        for unrolled in tl.static_range(UNROLL):
+            j = step + unrolled * GROUPS + group  # [GROUPS, 1]
+            mask = (j < NUM_LOGITS) & q_ok
+            x = tl.load(logits_ptr + first_param + j, mask=mask, other=float("-inf")).to(COMPUTE)
+            largest = tl.maximum(largest, x)
+    # Queries past the end (masked, never stored) get 0 and 1: no -inf - -inf or 1 / 0 there.
+    row_max = tl.where(q_ok, tl.max(largest, axis=0, keep_dims=True), 0.0)
+    total = tl.zeros([GROUPS, BLOCK_Q], dtype=COMPUTE)
+    for step in tl.range(0, NUM_LOGITS, GROUPS * UNROLL):
+        for unrolled in tl.static_range(UNROLL):
+            j = step + unrolled * GROUPS + group
+            mask = (j < NUM_LOGITS) & q_ok
+            x = tl.load(logits_ptr + first_param + j, mask=mask, other=float("-inf")).to(COMPUTE)
+            total += tl.where(mask, tl.exp(x - row_max), 0.0)
+    row_sum = tl.where(q_ok, tl.sum(total, axis=0, keep_dims=True), 1.0)
+    return row_max, 1.0 / row_sum

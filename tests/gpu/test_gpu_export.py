@@ -14,8 +14,9 @@ from ..detr_block import check_export_round_trip, export_block, make_block
 pytestmark = pytest.mark.compile
 
 
-def test_block_exports_with_dynamic_batch_queries_and_image_size(tmp_path):
-    check_export_round_trip("cuda", tmp_path / "block.pt2")
+@pytest.mark.parametrize("fused_softmax", [True, False], ids=["fused-softmax", "unfused"])
+def test_block_exports_with_dynamic_batch_queries_and_image_size(tmp_path, fused_softmax):
+    check_export_round_trip("cuda", tmp_path / "block.pt2", fused_softmax)
 
 
 def test_block_compiles_with_aotinductor(tmp_path):
