@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the GPU test tier, then the benchmark (or the launch-config sweep).
-#   scripts/gpu_session.sh [tier|tests[:PATHS]|sanitize|tune|bench|mod:MODULE ...]   (default: tier bench)
+#   scripts/gpu_session.sh [tier|tests[:PATHS]|sanitize|sanitize_backward|tune|bench|mod:MODULE ...]   (default: tier bench)
 # `tier` runs the GPU tier in four concurrent pytest processes plus the sanitizer (Triton and
 # inductor compiles are CPU-bound: about 3x faster than one process). Never time things beside it.
 # Logs go to $OUT when it is set (the device tool), else to ./gpu-logs.
@@ -35,15 +35,19 @@ sanitize() {  # memcheck over the Triton kernels' edge shapes; nonzero exit on a
 }
 
 tier() {
-  local pids=() names=(gpu_bad_input gpu_graphs gpu_numerics rest sanitize) i s=0
+  local pids=() names=(gpu_bad_input gpu_graphs gpu_numerics gpu_contract gpu_fuzz rest sanitize) i s=0
   pytest_log gpu_bad_input 300 tests/gpu/test_gpu_bad_input.py & pids+=($!)
   pytest_log gpu_graphs 300 tests/gpu/test_gpu_compile.py tests/gpu/test_gpu_cuda_graphs.py tests/gpu/test_gpu_export.py & pids+=($!)
   pytest_log gpu_numerics 300 tests/gpu/test_gpu_numerics.py tests/gpu/test_gpu_opcheck.py tests/gpu/test_gpu_streams.py \
     tests/gpu/test_gpu_two_devices.py tests/gpu/test_gpu_transformers.py tests/gpu/test_gpu_softmax.py & pids+=($!)
-  # The rest (the README command covers it too). Its compile check builds 208 kernels on the CPU
-  # (half of them the softmax forms): with half as many it took past 300 s while the other groups
-  # compiled beside it, hence 1200 s.
-  pytest_log rest 1200 tests --ignore=tests/gpu ${parallel[@]+"${parallel[@]}"} & pids+=($!)
+  # Data checks, non-finite weights, threads/streams/memory/out-of-memory, DDP and FSDP2 (two GPUs).
+  pytest_log gpu_contract 600 tests/gpu/test_gpu_validate.py tests/gpu/test_gpu_non_finite.py \
+    tests/gpu/test_gpu_under_load.py tests/gpu/test_gpu_distributed.py & pids+=($!)
+  pytest_log gpu_fuzz 900 tests/gpu/test_gpu_fuzz.py -s & pids+=($!)
+  # The rest (the README command covers it too), without the sm_90 compile check: CI runs it,
+  # and its 208 compiles on one core took minutes here beside the other groups.
+  pytest_log rest 1200 tests --ignore=tests/gpu --deselect tests/test_kernels_compile.py::test_kernels_compile_for_hopper \
+    ${parallel[@]+"${parallel[@]}"} & pids+=($!)
   sanitize >"$out/sanitize.log" 2>&1 & pids+=($!)
   for i in "${!pids[@]}"; do
     wait "${pids[$i]}"; local rc=$?
@@ -51,6 +55,11 @@ tier() {
     [ $rc = 0 ] || s=$rc
   done
   return $s
+}
+
+sanitize_backward() {  # racecheck and initcheck over the backward at the decoder preset
+  compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 1 python3 scripts/sanitize_backward.py --preset decoder \
+    && PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool initcheck --error-exitcode 1 python3 scripts/sanitize_backward.py --preset decoder
 }
 # Each argument is one part: tests[:PATHS], sanitize, tune, bench, or mod:MODULE (python -m MODULE).
 parts=("$@")
@@ -61,6 +70,7 @@ for part in "${parts[@]}"; do
     tests*) path=${part#tests}; path=${path#:}
             python3 -m pytest ${path:-tests} -q -rfE -p no:cacheprovider 2>&1 | tee "$out/gpu_tier.log"; s=${PIPESTATUS[0]} ;;
     sanitize) sanitize 2>&1 | tee "$out/sanitize.log"; s=${PIPESTATUS[0]} ;;
+    sanitize_backward) sanitize_backward 2>&1 | tee "$out/sanitize_backward.log"; s=${PIPESTATUS[0]} ;;
     tune) python3 -m bench.tune 2>&1 | tee "$out/tune.log"; s=${PIPESTATUS[0]} ;;
     bench) python3 -m bench --out "$out/bench" 2>&1 | tee "$out/bench.log"; s=${PIPESTATUS[0]} ;;
     mod:*) python3 -m ${part#mod:} 2>&1 | tee -a "$out/extra.log"; s=${PIPESTATUS[0]} ;;

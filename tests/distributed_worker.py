@@ -130,4 +130,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Leave without the interpreter's teardown: after the barrier and destroy_process_group above,
+    # gloo's FSDP2 still aborted a rank at exit (SIGABRT) in a loaded CI-like run, once its
+    # results were out and right. The results are what the test checks; the exit crash is torch's.
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -53,10 +53,13 @@ def test_default_runs_the_tier_and_the_bench(tmp_path):
     assert "unknown part" not in proc.stdout
     assert "== tier exit 0" in proc.stdout and "== bench exit 0" in proc.stdout
     runs = pytest_calls(calls)
-    assert len(runs) == 4  # three GPU groups and the rest of the tests
+    assert len(runs) == 6  # five GPU groups and the rest of the tests
     assert all("--timeout=" in c for c in runs)
     rest = next(c for c in runs if "--ignore=tests/gpu" in c)
     assert "-n 6" in rest and "--timeout=1200" in rest
+    gpu_files = {f for c in runs for f in c.split() if f.startswith("tests/gpu/test_")}
+    every = {f"tests/gpu/{p.name}" for p in (Path(__file__).parent / "gpu").glob("test_*.py")}
+    assert gpu_files == every  # the tier runs every GPU test file
     assert any(c.startswith("compute-sanitizer --tool memcheck") for c in calls)
     assert any(c.startswith(f"python3 -m bench --out {tmp_path / 'out' / 'bench'}") for c in calls)
     assert (tmp_path / "out" / "rest.log").read_text().strip() == "3 passed in 0.01s"
@@ -67,7 +70,7 @@ def test_without_xdist_and_pytest_timeout_the_tier_still_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "pytest-xdist is not installed" in proc.stdout and "pytest-timeout is not installed" in proc.stdout
     runs = pytest_calls(calls)
-    assert len(runs) == 4 and not any("-n 6" in c or "--timeout" in c for c in runs)
+    assert len(runs) == 6 and not any("-n 6" in c or "--timeout" in c for c in runs)
     assert not any("-m bench" in c for c in calls)
 
 
