@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import ops, validation
+from . import ops, torch_impl, validation
 
 if ops.HAS_TRITON:
     from .kernels import launch
@@ -132,6 +132,9 @@ def launch_forward(
 ) -> Tensor:
     """The forward kernel on checked CUDA tensors (level_start_index may be None; softmax: the
     last tensor holds logits)."""
+    if softmax and not launch.FUSED_SOFTMAX:  # torch.softmax, then the plain kernel (launch.py says why)
+        weights = torch_impl.softmax_weights(attention_weights, value, sampling_locations)
+        return launch_forward(value, spatial_shapes, level_start_index, sampling_locations, weights)
     value, spatial_shapes, level_start_index, sampling_locations, attention_weights = _contiguous(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights
     )
@@ -150,6 +153,12 @@ def launch_backward(
 ):
     """The backward kernel on checked CUDA tensors: (grad_value, grad_loc, grad_attn); softmax:
     the last tensor holds logits, and grad_attn is their gradient."""
+    if softmax and not launch.FUSED_SOFTMAX:  # torch.softmax, then the plain kernel (launch.py says why)
+        weights = torch_impl.softmax_weights(attention_weights, value, sampling_locations)
+        grad_value, grad_loc, grad_weights = launch_backward(
+            grad_output, value, spatial_shapes, level_start_index, sampling_locations, weights
+        )
+        return grad_value, grad_loc, torch_impl.softmax_grad(weights, grad_weights, attention_weights.dtype)
     value, spatial_shapes, level_start_index, sampling_locations, attention_weights = _contiguous(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights
     )

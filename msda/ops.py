@@ -227,6 +227,9 @@ def forward_softmax(
         return torch_impl.forward_softmax(
             value, spatial_shapes, level_start_index, sampling_locations, attention_logits
         )
+    if not launch.FUSED_SOFTMAX:  # torch.softmax, then the plain kernels (launch.FUSED_SOFTMAX says why)
+        weights = torch_impl.softmax_weights(attention_logits, value, sampling_locations)
+        return torch.ops.msda.forward(value, spatial_shapes, level_start_index, sampling_locations, weights)
 
     B, _, M, D = value.shape
     out = value.new_empty((B, sampling_locations.shape[1], M * D))
@@ -263,6 +266,12 @@ def backward_softmax(
         return torch_impl.backward_softmax(
             grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_logits
         )
+    if not launch.FUSED_SOFTMAX:  # torch.softmax, then the plain kernels (launch.FUSED_SOFTMAX says why)
+        weights = torch_impl.softmax_weights(attention_logits, value, sampling_locations)
+        grad_value, grad_loc, grad_weights = torch.ops.msda.backward(
+            grad_output, value, spatial_shapes, level_start_index, sampling_locations, weights
+        )
+        return grad_value, grad_loc, torch_impl.softmax_grad(weights, grad_weights, attention_logits.dtype)
 
     B, S, M, D = value.shape
     _, Q, _, L, K, _ = sampling_locations.shape

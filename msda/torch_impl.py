@@ -414,8 +414,13 @@ def backward_softmax(
     grad_value, grad_loc, grad_weights = backward(
         grad_output, value, spatial_shapes, level_start_index, sampling_locations, weights
     )
-    B, Q, M, L, K = attention_logits.shape
+    return grad_value, grad_loc, softmax_grad(weights, grad_weights, attention_logits.dtype)
+
+
+def softmax_grad(weights: Tensor, grad_weights: Tensor, dtype: torch.dtype) -> Tensor:
+    """The logits' gradient from the softmax's weights p and their gradient g, (B, Q, M, L, K):
+    p * (g - sum over the head's L * K samples of p * g), in `dtype`."""
+    B, Q, M, L, K = weights.shape
     p = weights.view(B, Q, M, L * K)
-    g = grad_weights.view(B, Q, M, L * K)
-    grad_logits = p * (g - (p * g).sum(dim=-1, keepdim=True))
-    return grad_value, grad_loc, grad_logits.view(B, Q, M, L, K).to(attention_logits.dtype)
+    g = grad_weights.to(weights.dtype).view(B, Q, M, L * K)
+    return (p * (g - (p * g).sum(dim=-1, keepdim=True))).view(B, Q, M, L, K).to(dtype)

@@ -86,11 +86,15 @@ def main() -> int:
 
         wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     else:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # The mesh on the model's device: without one, fully_shard takes CUDA whenever a GPU is
+        # visible and moves a gloo (CPU) model there.
+        mesh = init_device_mesh(device.type, (world,))
         for layer in (*model.encoder, *model.decoder):
-            fully_shard(layer)
-        wrapped = fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        wrapped = fully_shard(model, mesh=mesh)
     if args.mode == "compiled":
         wrapped = torch.compile(wrapped)
     loss, grads = step(model, wrapped, local, lr)

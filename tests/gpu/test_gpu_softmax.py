@@ -47,6 +47,20 @@ def test_preset_matches_reference(preset, dtype, loc_dtype, dist):
     print(preset, dist, dtype, loc_dtype, {k: f"{v:.2e}" for k, v in errors.items()})
 
 
+@pytest.mark.xfail(strict=True, reason="the kernels' own softmax gave NaN on the H200 (bench/NOTES.md entry 17)")
+def test_fused_kernels_match_reference(monkeypatch):
+    """launch.FUSED_SOFTMAX: the kernels normalize the logits themselves. Off by default since
+    its first GPU run gave NaN outputs; strict, so that a fix shows here (then drop the mark and
+    turn it on)."""
+    from msda.kernels import launch
+
+    monkeypatch.setattr(launch, "FUSED_SOFTMAX", True)
+    inputs = _inputs(PRESETS["decoder"], torch.float32, seed=7)
+    grad_output = random_like_output(inputs)
+    results = forward_backward(inputs, grad_output, fn=fused)
+    assert_matches_reference(inputs, results, grad_output, softmax=True)
+
+
 def test_float64_matches_reference():
     inputs = _inputs(PRESETS["decoder"], torch.float64, seed=8)
     grad_output = random_like_output(inputs)
