@@ -191,34 +191,10 @@ def test_forward_jvp_with_no_tangent_is_zero():
     assert out.shape == (1, 2, 4) and not out.any()
 
 
-class _WithJvp(torch.autograd.Function):
-    """What the functional form can wrap the operator in: an autograd.Function whose jvp is
-    forward_jvp (setup_context style, so torch.func transforms accept it)."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-        return torch.ops.msda.forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_forward(*inputs)
-        ctx.save_for_backward(*inputs)
-
-    @staticmethod
-    def jvp(ctx, value_t, _shapes_t, _starts_t, loc_t, attn_t):
-        return derivatives.forward_jvp(*ctx.saved_tensors, value_t, loc_t, attn_t)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        value, shapes, starts, loc, attn = ctx.saved_tensors
-        grad_value, grad_loc, grad_attn = torch.ops.msda.backward(grad_output, value, shapes, starts, loc, attn)
-        return grad_value, None, None, grad_loc, grad_attn
-
-
 def with_jvp(inputs: Inputs):
-    return lambda value, loc, attn: _WithJvp.apply(value, inputs.spatial_shapes, inputs.level_start_index, loc, attn)
+    return lambda value, loc, attn: derivatives.OperatorWithJvp.apply(
+        value, inputs.spatial_shapes, inputs.level_start_index, loc, attn
+    )
 
 
 @pytest.mark.parametrize("path", PATHS)
