@@ -28,7 +28,7 @@ from msda.testing import relative_error
 
 from .deformable_detr import SIZES, loss_fn, make_batch, make_model
 
-# SPEC.md's float32 bound: the shards' gradients are reduced in another order than one
+# The contract's float32 bound (docs/contract.md): the shards' gradients are reduced in another order than one
 # process sums them (and on CUDA grad_value adds atomically), which changes rounding only.
 BOUND = 1e-5
 

@@ -1,4 +1,4 @@
-"""Compiled or not, the same call gets the same error (SPEC.md, "Bad input"): on CPU the checks
+"""Compiled or not, the same call gets the same error (docs/contract.md, "Bad input"): on CPU the checks
 that read the level data (S = sum(H_l * W_l), empty or negative levels, level_start_index the
 running sum) run when a compiled graph runs, through the `msda::check_levels` operator that the
 operator's body puts into the graph, with the message of the eager call.

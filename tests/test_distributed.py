@@ -3,7 +3,7 @@ batch (issue 15, item 7), on CPU with the gloo backend: two processes launched b
 tests/deformable_detr.py at its tiny size (the full structure: deformable encoder, decoder with
 deformable cross-attention), DistributedDataParallel eager and torch.compile'd, and FSDP2
 (fully_shard) eager. Loss, every gradient and every parameter after an SGD step within
-SPEC.md's float32 bound of the single process. tests/gpu/test_gpu_distributed.py runs NCCL on
+the float32 bound of docs/contract.md of the single process. tests/gpu/test_gpu_distributed.py runs NCCL on
 two GPUs at Deformable DETR's size, DDP and FSDP2, eager and compiled.
 """
 

@@ -2,7 +2,7 @@
 size (hidden size 256, 8 heads, 4 levels, 4 points, 6 + 6 layers, 300 queries, a 512x672 image)
 across two GPUs with NCCL, under DistributedDataParallel (eager and torch.compile'd) and FSDP2
 (`fully_shard` per layer, eager and compiled), equals one process on the whole batch: loss,
-every gradient and every parameter after an SGD step within SPEC.md's float32 bound.
+every gradient and every parameter after an SGD step within the float32 bound of docs/contract.md.
 Needs two visible GPUs (the nvidia-h200-x2 kind); skipped with that reason otherwise.
 """
 
