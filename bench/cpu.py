@@ -217,9 +217,9 @@ class Config:
     budget_s: float
 
 
-def run(config: Config, console: Console) -> tuple[list[Row], dict]:
+def run(config: Config, console: Console, after_row: Callable = lambda rows, errors: None) -> tuple[list[Row], dict]:
     """The rows (a cell, pass and thread count each) and the errors: {cell: {variant: {name: error}}},
-    measured at the first thread count."""
+    measured at the first thread count. after_row(rows, errors) is called after every row."""
     rows, errors, checked = [], {}, set()
     log = console.print
     for threads in config.threads:
@@ -264,6 +264,7 @@ def run(config: Config, console: Console) -> tuple[list[Row], dict]:
                         for i in which:
                             error = relative_error(results[i], expected[i])
                             errors.setdefault(cell, {}).setdefault(name, {})[GRADIENTS[i]] = error
+                after_row(rows, errors)
     return rows, errors
 
 
@@ -387,8 +388,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-reps", type=int, default=50, help="rounds at most (default 50)")
     parser.add_argument("--budget", type=float, default=5.0,
                         help="seconds of rounds per cell and pass, once min-reps are done (default 5)")
-    parser.add_argument("--out", type=Path, help="also write the tables to this markdown file")
+    parser.add_argument("--out", type=Path,
+                        help="also write the tables to this markdown file (rewritten after every row)")
     return parser.parse_args(argv)
+
+
+def tables_of(rows: list[Row], errors: dict, threads: list[int]) -> list[tuple[str, list[str], list[list[str]]]]:
+    tables = [(f"{t} thread{'s' if t > 1 else ''}: median ± IQR ms per call", *timing_table(rows, t)) for t in threads]
+    if errors:
+        tables.append(("accuracy: relative error against the float64 oracle", *accuracy_table(errors)))
+    return tables
+
+
+def write_markdown(path: Path, info: dict, argv: list[str], rows: list[Row], errors: dict, threads: list[int],
+                   elapsed: float, complete: bool) -> None:
+    text = ["# msda CPU path against the grid_sample formulation (python -m bench.cpu)", ""]
+    if not complete:
+        text += ["**Incomplete: the run was still going or stopped; these are the rows measured so far.**", ""]
+    text += [f"- {key}: {value}" for key, value in info.items()]
+    text += [f"- load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
+             f"- command: python -m bench.cpu {' '.join(argv)}".rstrip(),
+             f"- elapsed: {elapsed / 60:.1f} min", ""]
+    for title, header, body in tables_of(rows, errors, threads):
+        text += [f"## {title}", "", markdown_table(header, body), ""]
+    text += ["## summary", ""] + [f"- {line}" for line in summary(rows)] + [""]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(text))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -406,29 +431,20 @@ def main(argv: list[str] | None = None) -> None:
     for key, value in info.items():
         console.print(f"{key}: {value}")
     start = time.time()
-    rows, errors = run(config, console)
-    elapsed = time.time() - start
 
-    tables = [(f"{t} thread{'s' if t > 1 else ''}: median ± IQR ms per call", *timing_table(rows, t)) for t in threads]
-    if errors:
-        tables.append(("accuracy: relative error against the float64 oracle", *accuracy_table(errors)))
-    for title, header, body in tables:
+    def after_row(rows, errors):  # --out is rewritten after every row: a stopped run keeps its rows
+        if opts.out:
+            write_markdown(opts.out, info, argv, rows, errors, threads, time.time() - start, complete=False)
+
+    rows, errors = run(config, console, after_row)
+    elapsed = time.time() - start
+    for title, header, body in tables_of(rows, errors, threads):
         console.print(rich_table(title, header, body))
-    lines = summary(rows)
-    for line in lines:
+    for line in summary(rows):
         console.print(line)
     console.print(f"elapsed {elapsed / 60:.1f} min")
     if opts.out:
-        text = ["# msda CPU path against the grid_sample formulation (python -m bench.cpu)", ""]
-        text += [f"- {key}: {value}" for key, value in info.items()]
-        text += [f"- load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
-                 f"- command: python -m bench.cpu {' '.join(argv)}".rstrip(),
-                 f"- elapsed: {elapsed / 60:.1f} min", ""]
-        for title, header, body in tables:
-            text += [f"## {title}", "", markdown_table(header, body), ""]
-        text += ["## summary", ""] + [f"- {line}" for line in lines] + [""]
-        opts.out.parent.mkdir(parents=True, exist_ok=True)
-        opts.out.write_text("\n".join(text))
+        write_markdown(opts.out, info, argv, rows, errors, threads, elapsed, complete=True)
         console.print(f"wrote {opts.out}")
 
 

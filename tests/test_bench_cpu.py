@@ -1,6 +1,7 @@
 """The CPU preset (python -m bench.cpu): Deformable DETR's level sizes, its grid_sample formulation
 against the float64 oracle, its chunked oracle against the whole one, and a tiny run end to end
-(every variant and pass, markdown written, msda within float32's bound)."""
+(every variant and pass, markdown written, msda within float32's bound), and the markdown of a
+run stopped midway."""
 
 import torch
 
@@ -36,6 +37,7 @@ def test_tiny_run_end_to_end(tmp_path):
               "--budget", "0", "--compile-backend", "aot_eager", "--out", str(out)])
     text = out.read_text()
     assert "## 1 thread: median ± IQR ms per call" in text and "## accuracy" in text
+    assert "Incomplete" not in text
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| 64x96")]
     timing = [row for row in rows if row[4] in cpu.PASSES]
     accuracy = [row for row in rows if row[4] in cpu.VARIANTS]
@@ -44,3 +46,25 @@ def test_tiny_run_end_to_end(tmp_path):
     assert len(accuracy) == 2 * 2 * 4  # roles x batches x variants
     msda_rows = [row for row in accuracy if row[4].startswith("msda")]
     assert all(float(field.rstrip(" |")) <= 1e-5 for row in msda_rows for field in row[5:])
+
+
+def test_a_stopped_run_keeps_its_rows(tmp_path, monkeypatch):
+    out = tmp_path / "cpu.md"
+    calls = []
+
+    def stop_after_two_rows(*args):
+        calls.append(1)
+        if len(calls) > 2:
+            raise KeyboardInterrupt
+        return original(*args)
+
+    original = cpu.round_robin
+    monkeypatch.setattr(cpu, "round_robin", stop_after_two_rows)
+    try:
+        cpu.main(["--threads", "1", "--images", "64x96", "--roles", "decoder", "--min-reps", "1", "--max-reps", "1",
+                  "--budget", "0", "--no-compile", "--out", str(out)])
+    except KeyboardInterrupt:
+        pass
+    text = out.read_text()
+    assert "Incomplete" in text
+    assert len([line for line in text.splitlines() if line.startswith("| 64x96") and "forward" in line]) == 2
