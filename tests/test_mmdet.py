@@ -15,6 +15,7 @@ with that reason where they are not installed.
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -58,7 +59,7 @@ def oracle(value, value_spatial_shapes, sampling_locations, attention_weights):
 
 
 @pytest.fixture(scope="module")
-def detector():
+def pristine_detector():
     """init_detector on the config, random weights (no checkpoint), the test pipeline resizing
     to the small image; then, for comparable training steps, no dropout and attention offsets
     and weights moved off their initialization (whose offsets sit on the pixel lattice, where
@@ -80,6 +81,14 @@ def detector():
         if isinstance(module, torch.nn.MultiheadAttention):
             module.dropout = 0.0
     return model
+
+
+@pytest.fixture
+def detector(pristine_detector):
+    """A fresh copy for each test: a training step updates buffers (normalization statistics) as
+    well as parameters, so a shared model made each test depend on which ran before it (under
+    pytest-xdist, a different order each run: NaN boxes or zero gradients now and then)."""
+    return copy.deepcopy(pristine_detector)
 
 
 @pytest.fixture
@@ -154,21 +163,15 @@ def test_training_step(detector, counted):
     optimizer.step()
     moved = [n for n, p in detector.named_parameters() if not torch.equal(p, before[n])]
     assert set(attention) <= set(moved)
-    with torch.no_grad():  # leave the module-scoped model as it was
-        for name, p in detector.named_parameters():
-            p.copy_(before[name])
 
 
 def test_float64_training_step_equals_mmcvs_and_the_oracle(detector, monkeypatch):
     detector.double()
-    try:
-        with_msda = training_step_gradients(detector, torch.float64)
-        monkeypatch.setattr(MMCV_MODULE, "multi_scale_deformable_attn_pytorch", MMCV_PYTORCH)
-        with_mmcv = training_step_gradients(detector, torch.float64)
-        monkeypatch.setattr(MMCV_MODULE, "multi_scale_deformable_attn_pytorch", oracle)
-        with_oracle = training_step_gradients(detector, torch.float64)
-    finally:
-        detector.float()
+    with_msda = training_step_gradients(detector, torch.float64)
+    monkeypatch.setattr(MMCV_MODULE, "multi_scale_deformable_attn_pytorch", MMCV_PYTORCH)
+    with_mmcv = training_step_gradients(detector, torch.float64)
+    monkeypatch.setattr(MMCV_MODULE, "multi_scale_deformable_attn_pytorch", oracle)
+    with_oracle = training_step_gradients(detector, torch.float64)
     assert with_msda.keys() == with_mmcv.keys() == with_oracle.keys()
     for name, grad in with_msda.items():
         assert relative_error(grad, with_oracle[name]) <= 1e-10, name
