@@ -60,7 +60,8 @@ def _sample_level(
             )
             x, y = tl.split(xy)
             x0, y0, fx, fy, left, right, top, bottom = place_sample(x, y, h, w, usable, mask, COMPUTE)
-            attn = finite_or_nan(attn)
+            if not SOFTMAX:  # a softmax weight is finite or NaN already (sampling.softmax_stats)
+                attn = finite_or_nan(attn)
             attn_top = attn * (1.0 - fy)
             attn_bottom = attn * fy
             # Element offset of the top-left corner's row; the others are ROW and w * ROW away.

@@ -100,6 +100,8 @@ def softmax_stats(
     weight is exp(logit - row_max) * row_scale. Two passes over the logits (they are few, and
     in L1 the second time), in the kernels' [GROUPS, BLOCK_Q] tile, reduced over the groups.
 
+    (An H200 run once gave NaN everywhere with it; the cause was elsewhere: bench/NOTES.md entry 18.)
+
     torch.softmax's semantics: a -inf logit gets weight 0; a row of -inf only (-inf - -inf), or
     one with a +inf (inf - inf) or a NaN, sums to NaN, so all its weights are NaN. Logits past
     the row (masked) are -inf: they add exp(-inf) = 0."""
