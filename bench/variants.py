@@ -23,7 +23,7 @@ import importlib
 import math
 import types
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from unittest import mock
 
 import torch
@@ -257,6 +257,31 @@ def _msda_op(cell: Cell) -> Case:
     )
 
 
+def _msda_deterministic(cell: Cell) -> Case:
+    """_msda_op with torch.use_deterministic_algorithms(True) around each call: the backward's
+    fixed-point sums (and PyTorch's own deterministic-mode work, such as filling new tensors)."""
+    case = _msda_op(cell)
+
+    def deterministic(fn):
+        def call():
+            previous = torch.are_deterministic_algorithms_enabled()
+            torch.use_deterministic_algorithms(True)
+            try:
+                return fn()
+            finally:
+                torch.use_deterministic_algorithms(previous)
+
+        return call
+
+    return replace(
+        case,
+        forward=deterministic(case.forward),
+        backward=deterministic(case.backward),
+        step=deterministic(case.step),
+        results=deterministic(case.results),
+    )
+
+
 def _msda_autograd(cell: Cell) -> Case:
     value, loc, attn = leaves = _op_leaves(cell)
     shapes, starts = cell.inputs.spatial_shapes, cell.inputs.level_start_index
@@ -436,6 +461,14 @@ def _block_deformops(cell: Cell) -> Case:
 
 VARIANTS = (
     Variant("msda", "op", False, "torch.ops.msda.forward / torch.ops.msda.backward, called directly", _msda_op),
+    Variant(
+        "msda-deterministic",
+        "op",
+        False,
+        "torch.ops.msda.forward / backward under torch.use_deterministic_algorithms(True): the "
+        "backward's 64-bit fixed-point sums, bitwise run to run",
+        _msda_deterministic,
+    ),
     Variant(
         "msda-autograd",
         "op",

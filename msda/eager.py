@@ -21,7 +21,7 @@ from . import ops, torch_impl, validation
 
 if ops.HAS_TRITON:
     from .kernels import launch
-    from .kernels.backward import grad_value_accumulator_dtype, msda_backward_kernel
+    from .kernels.backward import finish_grad_value, grad_value_buffer, msda_backward_kernel
     from .kernels.direct import DirectLauncher
     from .kernels.forward import msda_forward_kernel
 
@@ -166,8 +166,9 @@ def launch_backward(
         grad_output = grad_output.contiguous()
     B, S, M, D = value.shape
     _, Q, _, L, K, _ = sampling_locations.shape
-    accumulator = grad_value_accumulator_dtype(value.dtype, value.device, Q, S, L, K)
-    grad_value = torch.zeros(value.shape, dtype=accumulator, device=value.device)
+    grad_value, fixed_point_scale = grad_value_buffer(
+        value, grad_output, None if softmax else attention_weights, Q, L, K
+    )
     grad_loc = torch.empty(sampling_locations.shape, dtype=sampling_locations.dtype, device=value.device)
     grad_attn = torch.empty(attention_weights.shape, dtype=attention_weights.dtype, device=value.device)
     scratch = None
@@ -179,12 +180,10 @@ def launch_backward(
     if grad_attn.numel() > 0:
         grid, args, constexprs = launch.backward_call(
             grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-            grad_value, grad_loc, grad_attn, softmax=softmax, scratch=scratch,
+            grad_value, grad_loc, grad_attn, softmax=softmax, scratch=scratch, fixed_point_scale=fixed_point_scale,
         )  # fmt: skip
         _launch(_backward_kernel, grid, args, constexprs, value.device)
-    if accumulator != value.dtype:
-        grad_value = grad_value.to(value.dtype)
-    return grad_value, grad_loc, grad_attn
+    return finish_grad_value(grad_value, fixed_point_scale, value.dtype), grad_loc, grad_attn
 
 
 def _starts(spatial_shapes: Tensor, level_start_index: Tensor | None) -> Tensor:
@@ -202,7 +201,7 @@ def backward(
     (msda::backward, or msda::backward_softmax with softmax=True)."""
     if (
         eligible(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_output)
-        and not torch.are_deterministic_algorithms_enabled()
+        and not (value.dtype == torch.float64 and torch.are_deterministic_algorithms_enabled())
         and not torch.is_grad_enabled()
     ):
         _check(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax)

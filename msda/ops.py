@@ -28,7 +28,7 @@ try:
     import triton  # noqa: F401
 
     from .kernels import launch
-    from .kernels.backward import grad_value_accumulator_dtype, msda_backward_kernel
+    from .kernels.backward import finish_grad_value, grad_value_buffer, msda_backward_kernel
     from .kernels.forward import msda_forward_kernel
 
     HAS_TRITON = True
@@ -110,18 +110,18 @@ def backward(
     check_backward_args(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
     reject_forward_ad("backward")
     level_start_index = check_level_data(value, spatial_shapes, level_start_index)
-    # The kernel's atomic adds sum grad_value in whatever order they land, so its last bits vary
-    # run to run. Under torch.use_deterministic_algorithms(True) the pure-PyTorch backward runs
-    # instead: its index_add is deterministic in that mode (sorted on CUDA), bitwise run to run.
-    if not uses_triton(value.device) or torch.are_deterministic_algorithms_enabled():
+    # The kernel's float atomic adds sum grad_value in whatever order they land, so its last bits
+    # vary run to run. Under torch.use_deterministic_algorithms(True) it sums in 64-bit fixed point
+    # instead (kernels/backward.py), bitwise run to run; float64 (gradcheck) takes the pure-PyTorch
+    # backward then, whose index_add is deterministic in that mode.
+    if not uses_triton(value.device) or _deterministic_float64(value):
         return torch_impl.backward(
             grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights
         )
 
     B, S, M, D = value.shape
     _, Q, _, L, K, _ = sampling_locations.shape
-    accumulator = grad_value_accumulator_dtype(value.dtype, value.device, Q, S, L, K)
-    grad_value = torch.zeros(value.shape, dtype=accumulator, device=value.device)
+    grad_value, fixed_point_scale = grad_value_buffer(value, grad_output, attention_weights, Q, L, K)
     # Every element of these two is written by exactly one program: no zeroing needed.
     grad_loc = torch.empty(sampling_locations.shape, dtype=sampling_locations.dtype, device=value.device)
     grad_attn = torch.empty(attention_weights.shape, dtype=attention_weights.dtype, device=value.device)
@@ -136,10 +136,17 @@ def backward(
             grad_value,
             grad_loc,
             grad_attn,
+            fixed_point_scale=fixed_point_scale,
         )
         with _on_device(value.device):
             wrap_triton(msda_backward_kernel)[grid](*args, **constexprs)
-    return grad_value.to(value.dtype), grad_loc, grad_attn
+    return finish_grad_value(grad_value, fixed_point_scale, value.dtype), grad_loc, grad_attn
+
+
+def _deterministic_float64(value: Tensor) -> bool:
+    """float64 under torch.use_deterministic_algorithms(True): the pure-PyTorch backward (the
+    fixed-point sums are for float32 and half precision, whose float64 is slow on most GPUs)."""
+    return value.dtype == torch.float64 and torch.are_deterministic_algorithms_enabled()
 
 
 # Fake implementations: exactly what the bodies return (fresh contiguous tensors), with the same
@@ -262,7 +269,7 @@ def backward_softmax(
     )
     reject_forward_ad("backward_softmax")
     level_start_index = check_level_data(value, spatial_shapes, level_start_index)
-    if not uses_triton(value.device) or torch.are_deterministic_algorithms_enabled():  # as msda::backward
+    if not uses_triton(value.device) or _deterministic_float64(value):  # as msda::backward
         return torch_impl.backward_softmax(
             grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_logits
         )
@@ -275,8 +282,7 @@ def backward_softmax(
 
     B, S, M, D = value.shape
     _, Q, _, L, K, _ = sampling_locations.shape
-    accumulator = grad_value_accumulator_dtype(value.dtype, value.device, Q, S, L, K)
-    grad_value = torch.zeros(value.shape, dtype=accumulator, device=value.device)
+    grad_value, fixed_point_scale = grad_value_buffer(value, grad_output, None, Q, L, K)
     grad_loc = torch.empty(sampling_locations.shape, dtype=sampling_locations.dtype, device=value.device)
     grad_logits = torch.empty(attention_logits.shape, dtype=attention_logits.dtype, device=value.device)
     # The kernel keeps the gradient of the weights here between its level loop and its softmax
@@ -300,10 +306,11 @@ def backward_softmax(
             grad_logits,
             softmax=True,
             scratch=scratch,
+            fixed_point_scale=fixed_point_scale,
         )
         with _on_device(value.device):
             wrap_triton(msda_backward_kernel)[grid](*args, **constexprs)
-    return grad_value.to(value.dtype), grad_loc, grad_logits
+    return finish_grad_value(grad_value, fixed_point_scale, value.dtype), grad_loc, grad_logits
 
 
 @forward_softmax.register_fake

@@ -1,29 +1,94 @@
-"""Deterministic mode (docs/contract.md): under torch.use_deterministic_algorithms(True) the backward
-takes the pure-PyTorch path, whose scatter is deterministic in that mode, on every backend. On
-CPU that is checked through the Triton backend (the interpreter); tests/gpu checks on CUDA that
-the gradients are bitwise equal run to run."""
+"""Deterministic mode (docs/contract.md): under torch.use_deterministic_algorithms(True) the Triton
+backward sums grad_value in 64-bit fixed point (integer atomics, the same bits in any order);
+float64 takes the pure-PyTorch backward, whose scatter is deterministic in that mode. On CPU this
+runs through the Triton backend (the interpreter); tests/gpu checks on CUDA that the gradients
+are bitwise equal run to run, compiled and in CUDA graphs too."""
 
+import math
 from unittest import mock
 
 import pytest
 import torch
 
 from msda import torch_impl
+from msda.kernels import backward as backward_kernel
 from msda.testing import Shape, make_inputs
 
 from .helpers import assert_matches_reference, forward_backward, random_like_output
 from .test_edge_cases import backend, needs_interpreter
 
-pytestmark = needs_interpreter
+SHAPE = Shape(1, 5, 2, 4, ((3, 4), (2, 2)), 2)
+
+
+def interpreted(test):
+    for mark in needs_interpreter:
+        test = mark(test)
+    return test
 
 
 @pytest.mark.parametrize("mode", ["default", "deterministic"])
-def test_deterministic_mode_takes_the_pure_pytorch_backward(mode, request):
+@interpreted
+def test_deterministic_mode_sums_in_fixed_point(mode, request):
     if mode == "deterministic":
         request.getfixturevalue("deterministic_algorithms")
-    inputs = make_inputs(Shape(1, 5, 2, 4, ((3, 4), (2, 2)), 2), seed=6)
+    inputs = make_inputs(SHAPE, seed=6)
+    grad_output = random_like_output(inputs)
+    with (
+        backend("triton"),
+        mock.patch.object(torch_impl, "backward", wraps=torch_impl.backward) as pure_pytorch,
+        mock.patch.object(backward_kernel, "from_fixed_point", wraps=backward_kernel.from_fixed_point) as fixed,
+    ):
+        results = forward_backward(inputs, grad_output)
+        again = forward_backward(inputs, grad_output)
+    assert pure_pytorch.call_count == 0
+    assert fixed.call_count == (2 if mode == "deterministic" else 0)
+    assert_matches_reference(inputs, results, grad_output)
+    for a, b in zip(results, again):
+        assert torch.equal(a, b)
+
+
+@interpreted
+def test_float64_deterministic_takes_the_pure_pytorch_backward(deterministic_algorithms):
+    inputs = make_inputs(SHAPE, torch.float64, seed=6)
     grad_output = random_like_output(inputs)
     with backend("triton"), mock.patch.object(torch_impl, "backward", wraps=torch_impl.backward) as spy:
         results = forward_backward(inputs, grad_output)
-    assert spy.call_count == (1 if mode == "deterministic" else 0)
+    assert spy.call_count == 1
     assert_matches_reference(inputs, results, grad_output)
+
+
+@interpreted
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_non_finite_grad_output_makes_grad_value_nan(deterministic_algorithms, bad):
+    """Integers carry no inf or NaN: a non-finite grad_output anywhere makes every grad_value
+    element NaN (docs/contract.md), never finite numbers."""
+    inputs = make_inputs(SHAPE, seed=7)
+    grad_output = random_like_output(inputs)
+    grad_output[0, 1, 3] = bad
+    with backend("triton"):
+        _, grad_value, _, _ = forward_backward(inputs, grad_output)
+    assert grad_value.isnan().all()
+
+
+@pytest.mark.parametrize("largest", [0.0, 1e-30, 3e-5, 1.0, 7.5e3, 3e30])
+def test_fixed_point_scale_keeps_every_sum_below_2_to_62(largest):
+    """The scale is a power of two, and samples_per_row contributions of the largest size, times
+    it, stay below 2**62 (no int64 overflow) while using most of the range."""
+    grad_output = torch.full((2, 3, 4), largest)
+    weights = torch.full((2, 3, 5), 0.5)
+    samples = 1000
+    scale = backward_kernel.fixed_point_scale(grad_output, weights, samples).item()
+    assert math.frexp(scale)[0] == 0.5  # a power of two
+    bound = largest * 0.5 * samples
+    assert bound * scale < 2.0**62
+    if 2.0**-60 < bound < 2.0**60:
+        assert bound * scale >= 2.0**61
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_fixed_point_scale_is_nan_for_non_finite_inputs(bad):
+    grad_output = torch.ones(2, 3, 4)
+    weights = torch.ones(2, 3, 5)
+    weights[1, 2, 0] = bad
+    assert math.isnan(backward_kernel.fixed_point_scale(grad_output, weights, 10).item())
+    assert math.isnan(backward_kernel.fixed_point_scale(weights, None, 10).item())

@@ -51,9 +51,9 @@ fused = msda.multi_scale_deformable_attention_softmax
 
 @pytest.fixture(autouse=True)
 def fused_kernels_in_the_interpreter(monkeypatch):
-    """The kernels' own softmax (launch.FUSED_SOFTMAX, off by default: it gave NaN on the H200)
-    is what the interpreter tests, so that the fused code stays right until its GPU failure is
-    understood; on a GPU the tests run what users get, torch.softmax then the plain kernels."""
+    """The interpreter tests the kernels' own softmax (launch.FUSED_SOFTMAX, off by default: slower
+    on the H200), so that the fused code stays right; on a GPU the tests run what users get, and
+    tests/gpu/test_gpu_softmax.py tests both forms."""
     if INTERPRETER:
         monkeypatch.setattr(launch, "FUSED_SOFTMAX", True)
 
@@ -307,15 +307,20 @@ def test_all_meta_is_valid():
 
 @pytest.mark.parametrize("mode", ["default", "deterministic"])
 @pytest.mark.parametrize("path,device", PATHS)
-def test_deterministic_mode_takes_the_pure_pytorch_backward(path, device, mode, request):
-    """As msda::backward: under torch.use_deterministic_algorithms(True) the pure-PyTorch backward
-    runs on every backend (its scatter is deterministic there)."""
+def test_deterministic_mode_sums_in_fixed_point(path, device, mode, request):
+    """As msda::backward: under torch.use_deterministic_algorithms(True) the kernels sum grad_value
+    in fixed point (tests/test_deterministic.py); the pure-PyTorch path is deterministic anyway."""
     if mode == "deterministic":
         request.getfixturevalue("deterministic_algorithms")
     inputs = logit_inputs(Shape(1, 5, 2, 4, ((3, 4), (2, 2)), 2), torch.float32, device, seed=62)
-    with backend(path), mock.patch.object(torch_impl, "backward_softmax", wraps=torch_impl.backward_softmax) as spy:
+    with (
+        backend(path),
+        mock.patch.object(torch_impl, "backward_softmax", wraps=torch_impl.backward_softmax) as pure_pytorch,
+        mock.patch.object(backward_kernel, "from_fixed_point", wraps=backward_kernel.from_fixed_point) as fixed,
+    ):
         check(inputs)
-    assert spy.call_count == (1 if mode == "deterministic" or path == "torch" else 0)
+    assert pure_pytorch.call_count == (1 if path == "torch" else 0)
+    assert fixed.call_count == (1 if mode == "deterministic" and path != "torch" else 0)
 
 
 # --- The layer ----------------------------------------------------------------------------------

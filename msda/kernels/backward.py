@@ -21,7 +21,8 @@ def msda_backward_kernel(
     starts_ptr,  # (L,), read if LEVEL_STARTS
     loc_ptr,  # (B, Q, M, L, K, 2), contiguous
     attn_ptr,  # (B, Q, M, L, K), contiguous: the weights, or with SOFTMAX the logits
-    grad_value_ptr,  # (B, S, M, D) zeros: value's dtype or the float32 accumulator
+    grad_value_ptr,  # (B, S, M, D) zeros: value's dtype, the float32 accumulator, or int64 (FIXED_POINT)
+    fixed_point_scale_ptr,  # with FIXED_POINT: the float32 scale of grad_value's integers; else unused
     grad_loc_ptr,  # like loc
     grad_attn_ptr,  # like attn
     scratch_ptr,  # with SOFTMAX: (B, Q, M, L, K) in COMPUTE, may be grad_attn itself; else unused
@@ -40,6 +41,7 @@ def msda_backward_kernel(
     INDEX_64: tl.constexpr,
     LEVEL_STARTS: tl.constexpr,  # False: level_start_index was not given, sum the level sizes
     SOFTMAX: tl.constexpr,  # attn_ptr holds logits: weights are their softmax, grad_attn is d/d logits
+    FIXED_POINT: tl.constexpr,  # grad_value sums integers (deterministic mode): see fixed_point_scale
 ):
     # The forward's program layout and tile (msda/kernels/forward.py explains both).
     pid = tl.program_id(0)
@@ -78,6 +80,11 @@ def msda_backward_kernel(
         row_max, row_scale = softmax_stats(attn_ptr, first_param, q_ok, group, LK, GROUPS, UNROLL, COMPUTE)
         weighted_grad = tl.zeros([GROUPS, BLOCK_Q], dtype=COMPUTE)  # p * g, summed over the samples
 
+    if FIXED_POINT:  # integer adds give the same sum in any order: bitwise deterministic
+        fixed_point_scale = tl.load(fixed_point_scale_ptr)
+    else:
+        fixed_point_scale = 1.0
+
     start = b * 0  # the level's first row, in the index dtype
     for level in tl.range(0, NUM_LEVELS):
         h = tl.load(shapes_ptr + 2 * level).to(b.dtype)
@@ -99,7 +106,8 @@ def msda_backward_kernel(
                 x = tl.load(loc_ptr + 2 * param, mask=mask, other=0.0)
                 y = tl.load(loc_ptr + 2 * param + 1, mask=mask, other=0.0)
                 x0, y0, fx, fy, left, right, top, bottom = place_sample(x, y, h, w, usable, mask, COMPUTE)
-                attn = finite_or_nan(attn)
+                if not SOFTMAX:  # a softmax weight is finite or NaN already (sampling.softmax_stats)
+                    attn = finite_or_nan(attn)
                 corner = (level_row + (y0 * w + x0) * NUM_HEADS) * HEAD_DIM
                 corner = corner[:, :, None, None] + channel
                 below = corner + w * ROW
@@ -114,7 +122,7 @@ def msda_backward_kernel(
                 dot_tl = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
                 tl.atomic_add(
                     grad_value_ptr + corner,
-                    ((a_top * (1.0 - fx))[:, :, None, None] * grad_out).to(grad_value_ptr.dtype.element_ty),
+                    _to_accumulator((a_top * (1.0 - fx))[:, :, None, None] * grad_out, fixed_point_scale, grad_value_ptr.dtype.element_ty, FIXED_POINT),
                     mask=(left & top)[:, :, None, None] & d_ok,
                     sem="relaxed",
                 )
@@ -122,7 +130,7 @@ def msda_backward_kernel(
                 dot_tr = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
                 tl.atomic_add(
                     grad_value_ptr + corner + ROW,
-                    ((a_top * fx)[:, :, None, None] * grad_out).to(grad_value_ptr.dtype.element_ty),
+                    _to_accumulator((a_top * fx)[:, :, None, None] * grad_out, fixed_point_scale, grad_value_ptr.dtype.element_ty, FIXED_POINT),
                     mask=(right & top)[:, :, None, None] & d_ok,
                     sem="relaxed",
                 )
@@ -130,7 +138,7 @@ def msda_backward_kernel(
                 dot_bl = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
                 tl.atomic_add(
                     grad_value_ptr + below,
-                    ((a_bottom * (1.0 - fx))[:, :, None, None] * grad_out).to(grad_value_ptr.dtype.element_ty),
+                    _to_accumulator((a_bottom * (1.0 - fx))[:, :, None, None] * grad_out, fixed_point_scale, grad_value_ptr.dtype.element_ty, FIXED_POINT),
                     mask=(left & bottom)[:, :, None, None] & d_ok,
                     sem="relaxed",
                 )
@@ -138,7 +146,7 @@ def msda_backward_kernel(
                 dot_br = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
                 tl.atomic_add(
                     grad_value_ptr + below + ROW,
-                    ((a_bottom * fx)[:, :, None, None] * grad_out).to(grad_value_ptr.dtype.element_ty),
+                    _to_accumulator((a_bottom * fx)[:, :, None, None] * grad_out, fixed_point_scale, grad_value_ptr.dtype.element_ty, FIXED_POINT),
                     mask=(right & bottom)[:, :, None, None] & d_ok,
                     sem="relaxed",
                 )
@@ -164,13 +172,22 @@ def msda_backward_kernel(
                 j = step + unrolled * GROUPS + group
                 mask = (j < LK) & q_ok
                 logit = tl.load(attn_ptr + first_param + j, mask=mask, other=float("-inf")).to(COMPUTE)
-                p = finite_or_nan(tl.exp(logit - row_max) * row_scale)
+                p = tl.exp(logit - row_max) * row_scale
                 g = tl.load(scratch_ptr + first_param + j, mask=mask, other=0.0).to(COMPUTE)
                 grad_logit = p * (g - weighted_sum)
                 # scratch may be grad_attn itself: every thread holding this element has read
                 # its g before any writes d logit over it.
                 tl.debug_barrier()
                 tl.store(grad_attn_ptr + first_param + j, grad_logit.to(grad_attn_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _to_accumulator(contribution, fixed_point_scale, ACCUMULATOR: tl.constexpr, FIXED_POINT: tl.constexpr):
+    """A grad_value contribution in the accumulator's dtype: with FIXED_POINT the integer
+    round-toward-zero(contribution * scale), else a cast."""
+    if FIXED_POINT:
+        return (contribution * fixed_point_scale).to(tl.int64)
+    return contribution.to(ACCUMULATOR)
 
 
 # Half-precision atomics round at every add. That costs nothing where few samples land on each
@@ -202,3 +219,67 @@ def grad_value_accumulator_dtype(
         # interpreter (CPU) has none at all.
         return torch.float32
     return value_dtype
+
+
+# The deterministic mode (torch.use_deterministic_algorithms(True)) sums grad_value in 64-bit
+# fixed point: each contribution times a power of two 2**e, rounded toward zero to an integer,
+# added with integer atomics (associative: the same bits in any order), then converted back and
+# divided by 2**e. e is chosen per call, on the device (no synchronization), from a bound on
+# any element's sum: a value row is a corner of at most Q * L * K samples of its (batch, head)
+# (Q * K of its own level; L for levels that overlap, which only MSDA_VALIDATE rules out), each adding |attention weight * bilinear weight * grad_output| <=
+# max|attention weight| * max|grad_output|. So with that bound below 2**e0, e = 62 - e0 keeps every
+# sum below 2**62 (no overflow) and each contribution's rounding below 2**-62 of the bound: at
+# the encoder preset (Q * L * K = 2**18.4) that is 2**-43 of the largest contribution, finer than
+# a float32 atomic add's rounding. A non-finite grad_output or weight makes the bound non-finite:
+# then the whole grad_value is NaN (integers cannot carry inf or NaN).
+FIXED_POINT_BITS = 62
+
+
+def fixed_point_scale(
+    grad_output: torch.Tensor, attention_weights: torch.Tensor | None, samples_per_row: int
+) -> torch.Tensor:
+    """2**e as a one-element float32 tensor on the device (see above); attention_weights None:
+    they are softmax weights, at most 1."""
+    bound = grad_output.detach().abs().amax().float() * samples_per_row
+    if attention_weights is not None:
+        bound = bound * attention_weights.detach().abs().amax().float()
+    _, exponent = torch.frexp(bound)  # bound < 2**exponent (exponent 0 for 0, inf and NaN)
+    exponent = (FIXED_POINT_BITS - exponent).clamp(min=-126, max=127)
+    scale = torch.ldexp(torch.ones_like(bound), exponent)
+    # Non-finite bound: NaN scale, so that the conversion back gives NaN everywhere.
+    return torch.where(torch.isfinite(bound), scale, torch.nan).reshape(1)
+
+
+def from_fixed_point(accumulator: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """grad_value from its 64-bit fixed-point sums: one rounding to float32 (exact integer sums),
+    an exact division by the power of two, then the value's dtype."""
+    # One pass: int64 times a float32 tensor computes in float32 (the integer rounded once).
+    grad_value = accumulator * scale.reciprocal()
+    return grad_value if grad_value.dtype == dtype else grad_value.to(dtype)
+
+
+def grad_value_buffer(
+    value: torch.Tensor,
+    grad_output: torch.Tensor,
+    attention_weights: torch.Tensor | None,
+    num_queries: int,
+    num_levels: int,
+    num_points: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(zeros the kernel scatters grad_value into, fixed-point scale or None). Under
+    torch.use_deterministic_algorithms(True): int64 and its scale (attention_weights None: softmax
+    weights, at most 1); else `grad_value_accumulator_dtype`'s dtype."""
+    if torch.are_deterministic_algorithms_enabled():
+        scale = fixed_point_scale(grad_output, attention_weights, num_queries * num_levels * num_points)
+        return torch.zeros(value.shape, dtype=torch.int64, device=value.device), scale
+    dtype = grad_value_accumulator_dtype(
+        value.dtype, value.device, num_queries, value.shape[1], num_levels, num_points
+    )
+    return torch.zeros(value.shape, dtype=dtype, device=value.device), None
+
+
+def finish_grad_value(buffer: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """grad_value in `dtype` from what `grad_value_buffer` gave and the kernel summed."""
+    if scale is not None:
+        return from_fixed_point(buffer, scale, dtype)
+    return buffer if buffer.dtype == dtype else buffer.to(dtype)

@@ -86,11 +86,11 @@ def compute_dtype(*tensors: Tensor):
     return tl.float64 if any(t.dtype == torch.float64 for t in tensors) else tl.float32
 
 
-# The kernels' own softmax (SOFTMAX=True) passes the CPU tier in Triton's interpreter and compiles
-# for sm_90, but gave NaN outputs on the H200 in its first GPU run (2026-11-30, bench/NOTES.md
-# entry 17) and there was no GPU time left to find why. Until it is understood, CUDA calls of
-# the softmax operators normalize the logits with torch.softmax and run the plain kernels: the
-# same results, without the fusion's saving. Set True to try the fused kernels.
+# The softmax operators on CUDA: True has the kernels normalize the logits themselves
+# (SOFTMAX=True); False (the default) runs torch.softmax, then the plain kernels. The fused
+# kernels are right (the GPU tier tests both forms) but slower: on the H200 the layer's forward
+# took 1081-1283 us fused against 871 us unfused at the encoder in float32, and tied at the
+# decoder (bench/NOTES.md entry 18). Off until the fused kernels win.
 FUSED_SOFTMAX = False
 
 
@@ -163,6 +163,7 @@ def backward_call(
     *,
     softmax: bool = False,
     scratch: Tensor | None = None,
+    fixed_point_scale: Tensor | None = None,
 ) -> tuple[tuple[int], tuple, dict]:
     """(grid, positional arguments, constexpr arguments) of msda_backward_kernel; grad_output's
     channels must be contiguous (its other strides may be anything, 0 included), the other
@@ -170,7 +171,10 @@ def backward_call(
 
     softmax: attention_weights holds logits and grad_attn gets their gradient; the kernel then
     needs `scratch`, contiguous like them in the compute dtype (`softmax_scratch_dtype`), which
-    may be grad_attn itself when that has the compute dtype."""
+    may be grad_attn itself when that has the compute dtype.
+
+    fixed_point_scale (the deterministic mode, `backward.fixed_point_scale`): grad_value is int64
+    zeros, summed in fixed point; `backward.from_fixed_point` converts it."""
     B, S, M, D = value.shape
     _, Q, _, L, K, _ = sampling_locations.shape
     L, K, M, D = int(L), int(K), int(M), int(D)
@@ -185,6 +189,7 @@ def backward_call(
         INDEX_64=needs_int64(value, sampling_locations, grad_output),
         LEVEL_STARTS=level_start_index is not None,
         SOFTMAX=softmax,
+        FIXED_POINT=fixed_point_scale is not None,
     )
     if softmax and scratch is None:
         raise ValueError("backward_call: softmax=True needs a scratch tensor")
@@ -199,6 +204,7 @@ def backward_call(
         sampling_locations,
         attention_weights,
         grad_value,
+        spatial_shapes if fixed_point_scale is None else fixed_point_scale,  # unread if None
         grad_loc,
         grad_attn,
         # Unused without softmax: an input then, never an output (two outputs that alias would

@@ -18,8 +18,11 @@ import torch._inductor.config
 from torch._dynamo.utils import counters
 from torch._inductor import cudagraph_trees
 
-from msda.testing import TOLERANCE
+import msda
+from msda.testing import PRESETS, TOLERANCE
+from msda.testing import make_inputs as make_op_inputs
 
+from ..helpers import random_like_output
 from ..detr_block import (
     IMAGE_SIZES,
     assert_within,
@@ -174,3 +177,41 @@ def test_forward_and_backward_never_synchronize_with_the_host():
     finally:
         torch.cuda.set_sync_debug_mode(previous)
     torch.cuda.synchronize()
+
+
+def test_deterministic_mode_compiled_and_in_cuda_graphs(deterministic_algorithms):
+    """The fixed-point backward under torch.compile(fullgraph=True) and replayed from a CUDA graph
+    gives the eager deterministic gradients bit for bit (its scale is computed on the device: no
+    synchronization to break the capture)."""
+    inputs = make_op_inputs(PRESETS["decoder"], torch.float32, "cuda", dist="local", seed=8)
+    grad_output = random_like_output(inputs)
+    leaves = [
+        t.detach().clone().requires_grad_()
+        for t in (inputs.value, inputs.sampling_locations, inputs.attention_weights)
+    ]
+    shapes, starts = inputs.spatial_shapes, inputs.level_start_index
+
+    def step(fn):
+        value, loc, attn = leaves
+        return torch.autograd.grad(fn(value, shapes, starts, loc, attn), leaves, grad_output)
+
+    eager = step(msda.multi_scale_deformable_attention)
+    compiled = step(torch.compile(msda.multi_scale_deformable_attention, fullgraph=True))
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
+    side = torch.cuda.Stream()  # a warm-up on a side stream first (the module's docstring says why)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(msda.multi_scale_deformable_attention)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(msda.multi_scale_deformable_attention)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, captured):
+        assert torch.equal(a, b)
+    # Free the graph and its memory pool now, not at some later garbage collection, which could
+    # fall inside another test's capture.
+    del captured
+    graph.reset()
