@@ -72,6 +72,12 @@ def pristine_detector():
     model = init_detector(cfg, checkpoint=None, device="cpu")
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
+        # Without a checkpoint init_detector runs no init_weights(), and DeformableDETR allocates
+        # level_embed with torch.Tensor(...): uninitialized memory, whose garbage (up to 1.7e38
+        # under MALLOC_PERTURB_=1) made every output NaN now and then, depending on what the
+        # process had freed before. init_weights() itself would fetch the pretrained backbone;
+        # this is its line for level_embed.
+        model.level_embed.normal_(generator=gen)
         for name, p in model.named_parameters():
             if "sampling_offsets" in name or "attention_weights" in name:
                 p.add_(0.05 * torch.randn(p.shape, generator=gen))
@@ -85,9 +91,8 @@ def pristine_detector():
 
 @pytest.fixture
 def detector(pristine_detector):
-    """A fresh copy for each test: a training step updates buffers (normalization statistics) as
-    well as parameters, so a shared model made each test depend on which ran before it (under
-    pytest-xdist, a different order each run: NaN boxes or zero gradients now and then)."""
+    """A fresh copy for each test, so that no test sees the state another left (a training step
+    changes more than the parameters)."""
     return copy.deepcopy(pristine_detector)
 
 
