@@ -222,49 +222,53 @@ def run(config: Config, console: Console, after_row: Callable = lambda rows, err
     measured at the first thread count. after_row(rows, errors) is called after every row."""
     rows, errors, checked = [], {}, set()
     log = console.print
-    for threads in config.threads:
-        torch.set_num_threads(threads)
-        torch._dynamo.reset()  # Inductor's C++ code is generated for a thread count
-        compiled = {}
-        for cell in config.cells:
-            inputs = make_inputs(cell.shape, torch.float32, seed=0)
-            gen = torch.Generator().manual_seed(1)
-            grad_output = torch.randn(cell.batch, cell.shape.queries, HEADS * HEAD_DIM, generator=gen)
-            levels = [tuple(level) for level in inputs.spatial_shapes.tolist()]
-            fns = {
-                "msda": (msda_fn, inputs.args()),
-                "grid_sample": (grid_fn, (inputs.value, levels, *inputs.args()[2:])),
-            }
-            if config.accuracy and cell not in errors:
-                start = time.perf_counter()
-                expected = oracle(inputs, grad_output)
-                log(f"  oracle for {' '.join(cell.label)}: {time.perf_counter() - start:.0f} s")
-            for pass_ in config.passes:
-                calls = {}
-                for name, (fn, args) in fns.items():
-                    calls[name] = call_for(fn, args, pass_, grad_output)
-                    if config.compile:
-                        key = (name, pass_, cell if config.static else None)
-                        if key not in compiled:
-                            compiled[key] = torch.compile(
-                                fn, fullgraph=True, dynamic=not config.static, backend=config.compile_backend
-                            )
-                        calls[f"{name} compiled"] = call_for(compiled[key], args, pass_, grad_output)
-                log(f"[{threads} thread{'s' if threads > 1 else ''}] {' '.join(cell.label)} {pass_}")
-                gc.collect()
-                samples, last = round_robin(calls, config.min_reps, config.max_reps, config.budget_s, log)
-                row = Row(cell, threads, pass_, samples)
-                rows.append(row)
-                log("    " + ", ".join(f"{v} {row.median_ms(v):.2f} ms" for v in calls))
-                if config.accuracy and (cell, pass_) not in checked:
-                    checked.add((cell, pass_))
-                    # The forward pass's output; the forward+backward pass's gradients.
-                    which = (0,) if pass_ == "forward" else (1, 2, 3)
-                    for name, results in last.items():
-                        for i in which:
-                            error = relative_error(results[i], expected[i])
-                            errors.setdefault(cell, {}).setdefault(name, {})[GRADIENTS[i]] = error
-                after_row(rows, errors)
+    previous_threads = torch.get_num_threads()  # restored: a caller in this process keeps its own
+    try:
+        for threads in config.threads:
+            torch.set_num_threads(threads)
+            torch._dynamo.reset()  # Inductor's C++ code is generated for a thread count
+            compiled = {}
+            for cell in config.cells:
+                inputs = make_inputs(cell.shape, torch.float32, seed=0)
+                gen = torch.Generator().manual_seed(1)
+                grad_output = torch.randn(cell.batch, cell.shape.queries, HEADS * HEAD_DIM, generator=gen)
+                levels = [tuple(level) for level in inputs.spatial_shapes.tolist()]
+                fns = {
+                    "msda": (msda_fn, inputs.args()),
+                    "grid_sample": (grid_fn, (inputs.value, levels, *inputs.args()[2:])),
+                }
+                if config.accuracy and cell not in errors:
+                    start = time.perf_counter()
+                    expected = oracle(inputs, grad_output)
+                    log(f"  oracle for {' '.join(cell.label)}: {time.perf_counter() - start:.0f} s")
+                for pass_ in config.passes:
+                    calls = {}
+                    for name, (fn, args) in fns.items():
+                        calls[name] = call_for(fn, args, pass_, grad_output)
+                        if config.compile:
+                            key = (name, pass_, cell if config.static else None)
+                            if key not in compiled:
+                                compiled[key] = torch.compile(
+                                    fn, fullgraph=True, dynamic=not config.static, backend=config.compile_backend
+                                )
+                            calls[f"{name} compiled"] = call_for(compiled[key], args, pass_, grad_output)
+                    log(f"[{threads} thread{'s' if threads > 1 else ''}] {' '.join(cell.label)} {pass_}")
+                    gc.collect()
+                    samples, last = round_robin(calls, config.min_reps, config.max_reps, config.budget_s, log)
+                    row = Row(cell, threads, pass_, samples)
+                    rows.append(row)
+                    log("    " + ", ".join(f"{v} {row.median_ms(v):.2f} ms" for v in calls))
+                    if config.accuracy and (cell, pass_) not in checked:
+                        checked.add((cell, pass_))
+                        # The forward pass's output; the forward+backward pass's gradients.
+                        which = (0,) if pass_ == "forward" else (1, 2, 3)
+                        for name, results in last.items():
+                            for i in which:
+                                error = relative_error(results[i], expected[i])
+                                errors.setdefault(cell, {}).setdefault(name, {})[GRADIENTS[i]] = error
+                    after_row(rows, errors)
+    finally:
+        torch.set_num_threads(previous_threads)
     return rows, errors
 
 
