@@ -22,7 +22,6 @@ import msda
 from msda.testing import PRESETS, TOLERANCE
 from msda.testing import make_inputs as make_op_inputs
 
-from ..helpers import random_like_output
 from ..detr_block import (
     IMAGE_SIZES,
     assert_within,
@@ -32,6 +31,7 @@ from ..detr_block import (
     oracle_outputs_and_grads,
     outputs_and_grads,
 )
+from ..helpers import random_like_output
 
 BOUND = TOLERANCE[torch.float32]
 SIZE = (3, IMAGE_SIZES[0], 50)  # batch, image size, queries
