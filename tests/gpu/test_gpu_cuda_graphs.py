@@ -2,7 +2,8 @@
 inference and the training step of a Deformable-DETR-style block in CUDA graphs, with no graph
 skipped; a no-grad forward captured with torch.cuda.graph replays on new data (new level shapes
 included); torch.cuda.make_graphed_callables graphs forward and backward; all equal eager. And the
-prerequisite of every capture: forward and backward never synchronize with the host.
+prerequisite of every capture: forward and backward never synchronize with the host. The
+deterministic mode's fixed-point backward, compiled and captured, equals its eager self bit for bit.
 
 Warm-up before any capture: the first call of each dtype / shape bucket JIT-compiles the Triton
 kernels (and cuBLAS sets up), which must not happen inside a capture. So one forward (and backward,
