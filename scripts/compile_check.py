@@ -68,11 +68,13 @@ OUTPUTS = {("msda_forward_kernel", False): ["out_ptr"],
 
 
 def kernel_calls(
-    levels: int, points: int, head_dim: int, dtype: str, index_64: bool, index: torch.dtype, softmax: bool = False
+    levels: int, points: int, head_dim: int, dtype: str, index_64: bool, index: torch.dtype, softmax: bool = False,
+    fixed_point: bool = True,
 ):
     """(kernel, positional arguments, constexprs) of the forward and the backward, as the
     operator builds them, on tiny CPU tensors; softmax: the softmax operators' calls (the
-    backward with a scratch of its own, as msda::backward_softmax passes it)."""
+    backward with a scratch of its own, as msda::backward_softmax passes it); fixed_point: the
+    deterministic mode's backward too (int64 grad_value; not for float64, which never runs it)."""
     value_dtype, loc_dtype, accumulator = DTYPES[dtype]
     B, S, M, Q = 1, 3, 2, 2
     value = torch.zeros(B, S, M, head_dim, dtype=value_dtype)
@@ -90,6 +92,11 @@ def kernel_calls(
             softmax=softmax, scratch=scratch,
         )[1:]),
     ]  # fmt: skip
+    if fixed_point and dtype != "float64":
+        calls.append((msda_backward_kernel, *launch.backward_call(
+            out, value, shapes, starts, loc, attn, torch.zeros(value.shape, dtype=torch.int64), torch.zeros_like(loc),
+            torch.zeros_like(attn), softmax=softmax, scratch=scratch, fixed_point_scale=torch.ones(1),
+        )[1:]))  # fmt: skip
     for _, _, constexprs in calls:
         constexprs["INDEX_64"] = index_64
     return calls
@@ -151,7 +158,8 @@ def main() -> int:
     for ((levels, points, head_dim), dtype, index_64, index, softmax), is_timed in [(c, False) for c in cases] + [
         (c, True) for c in timed
     ]:
-        for kernel, args, constexprs in kernel_calls(levels, points, head_dim, dtype, index_64, index, softmax):
+        calls = kernel_calls(levels, points, head_dim, dtype, index_64, index, softmax, fixed_point=not is_timed)
+        for kernel, args, constexprs in calls:
             what = (f"{kernel.__name__} {dtype} L={levels} K={points} D={head_dim} int64={index_64} shapes={index}"
                     f" softmax={softmax}")
             checked += 1
