@@ -82,20 +82,7 @@ def forward(
     if not uses_triton(value.device):
         return torch_impl.forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
 
-    B, _, M, D = value.shape
-    out = value.new_empty((B, sampling_locations.shape[1], M * D))
-    if out.numel() > 0:
-        grid, args, constexprs = launch.forward_call(
-            value.contiguous(),
-            spatial_shapes.contiguous(),
-            level_start_index.contiguous(),
-            sampling_locations.contiguous(),
-            attention_weights.contiguous(),
-            out,
-        )
-        with _on_device(value.device):
-            wrap_triton(msda_forward_kernel)[grid](*args, **constexprs)
-    return out
+    return _launch_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
 
 
 @triton_op("msda::backward", mutates_args=())
@@ -119,12 +106,59 @@ def backward(
             grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights
         )
 
-    B, S, M, D = value.shape
+    return _launch_backward(
+        grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights
+    )
+
+
+def _deterministic_float64(value: Tensor) -> bool:
+    """float64 under torch.use_deterministic_algorithms(True): the pure-PyTorch backward (the
+    fixed-point sums are for float32 and half precision, whose float64 is slow on most GPUs)."""
+    return value.dtype == torch.float64 and torch.are_deterministic_algorithms_enabled()
+
+
+# The kernel launches of the operators' bodies (the plain and the softmax form differ by one flag).
+def _launch_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax=False):
+    B, _, M, D = value.shape
+    out = value.new_empty((B, sampling_locations.shape[1], M * D))
+    if out.numel() > 0:
+        grid, args, constexprs = launch.forward_call(
+            value.contiguous(),
+            spatial_shapes.contiguous(),
+            level_start_index.contiguous(),
+            sampling_locations.contiguous(),
+            attention_weights.contiguous(),
+            out,
+            softmax=softmax,
+        )
+        with _on_device(value.device):
+            wrap_triton(msda_forward_kernel)[grid](*args, **constexprs)
+    return out
+
+
+def _launch_backward(
+    grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax=False
+):
+    """(grad_value, grad_loc, grad_attn); softmax: attention_weights holds logits, grad_attn is
+    their gradient."""
     _, Q, _, L, K, _ = sampling_locations.shape
-    grad_value, fixed_point_scale = grad_value_buffer(value, grad_output, attention_weights, Q, L, K)
+    # Softmax weights are at most 1: the fixed-point bound needs no max over the logits.
+    grad_value, fixed_point_scale = grad_value_buffer(
+        value, grad_output, None if softmax else attention_weights, Q, L, K
+    )
     # Every element of these two is written by exactly one program: no zeroing needed.
     grad_loc = torch.empty(sampling_locations.shape, dtype=sampling_locations.dtype, device=value.device)
     grad_attn = torch.empty(attention_weights.shape, dtype=attention_weights.dtype, device=value.device)
+    # With softmax the kernel keeps the gradient of the weights here between its level loop and
+    # its softmax pass. A buffer of its own (the eager fast path reuses grad_attn where the dtypes
+    # allow): two written arguments that alias could keep torch.compile from reinplacing either.
+    scratch = None
+    if softmax:
+        scratch = torch.empty(
+            attention_weights.shape,
+            dtype=launch.softmax_scratch_dtype(value, sampling_locations, attention_weights),
+            device=value.device,
+        )
     if grad_attn.numel() > 0:
         grid, args, constexprs = launch.backward_call(
             grad_output if grad_output.stride(2) == 1 else grad_output.contiguous(),
@@ -136,17 +170,13 @@ def backward(
             grad_value,
             grad_loc,
             grad_attn,
+            softmax=softmax,
+            scratch=scratch,
             fixed_point_scale=fixed_point_scale,
         )
         with _on_device(value.device):
             wrap_triton(msda_backward_kernel)[grid](*args, **constexprs)
     return finish_grad_value(grad_value, fixed_point_scale, value.dtype), grad_loc, grad_attn
-
-
-def _deterministic_float64(value: Tensor) -> bool:
-    """float64 under torch.use_deterministic_algorithms(True): the pure-PyTorch backward (the
-    fixed-point sums are for float32 and half precision, whose float64 is slow on most GPUs)."""
-    return value.dtype == torch.float64 and torch.are_deterministic_algorithms_enabled()
 
 
 # Fake implementations: exactly what the bodies return (fresh contiguous tensors), with the same
@@ -238,21 +268,7 @@ def forward_softmax(
         weights = torch_impl.softmax_weights(attention_logits, value, sampling_locations)
         return torch.ops.msda.forward(value, spatial_shapes, level_start_index, sampling_locations, weights)
 
-    B, _, M, D = value.shape
-    out = value.new_empty((B, sampling_locations.shape[1], M * D))
-    if out.numel() > 0:
-        grid, args, constexprs = launch.forward_call(
-            value.contiguous(),
-            spatial_shapes.contiguous(),
-            level_start_index.contiguous(),
-            sampling_locations.contiguous(),
-            attention_logits.contiguous(),
-            out,
-            softmax=True,
-        )
-        with _on_device(value.device):
-            wrap_triton(msda_forward_kernel)[grid](*args, **constexprs)
-    return out
+    return _launch_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_logits, softmax=True)
 
 
 @triton_op("msda::backward_softmax", mutates_args=())
@@ -280,37 +296,9 @@ def backward_softmax(
         )
         return grad_value, grad_loc, torch_impl.softmax_grad(weights, grad_weights, attention_logits.dtype)
 
-    B, S, M, D = value.shape
-    _, Q, _, L, K, _ = sampling_locations.shape
-    grad_value, fixed_point_scale = grad_value_buffer(value, grad_output, None, Q, L, K)
-    grad_loc = torch.empty(sampling_locations.shape, dtype=sampling_locations.dtype, device=value.device)
-    grad_logits = torch.empty(attention_logits.shape, dtype=attention_logits.dtype, device=value.device)
-    # The kernel keeps the gradient of the weights here between its level loop and its softmax
-    # pass. A buffer of its own (the eager fast path reuses grad_logits where the dtypes allow):
-    # two written arguments that alias could keep torch.compile from reinplacing either.
-    scratch = torch.empty(
-        attention_logits.shape,
-        dtype=launch.softmax_scratch_dtype(value, sampling_locations, attention_logits),
-        device=value.device,
+    return _launch_backward(
+        grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_logits, softmax=True
     )
-    if grad_logits.numel() > 0:
-        grid, args, constexprs = launch.backward_call(
-            grad_output if grad_output.stride(2) == 1 else grad_output.contiguous(),
-            value.contiguous(),
-            spatial_shapes.contiguous(),
-            level_start_index.contiguous(),
-            sampling_locations.contiguous(),
-            attention_logits.contiguous(),
-            grad_value,
-            grad_loc,
-            grad_logits,
-            softmax=True,
-            scratch=scratch,
-            fixed_point_scale=fixed_point_scale,
-        )
-        with _on_device(value.device):
-            wrap_triton(msda_backward_kernel)[grid](*args, **constexprs)
-    return finish_grad_value(grad_value, fixed_point_scale, value.dtype), grad_loc, grad_logits
 
 
 @forward_softmax.register_fake
