@@ -40,11 +40,11 @@ BOUND = 1e-5
 def step(model, wrapped, batch, lr, shards=1):
     """Loss, {name: full gradient} after one SGD step of `wrapped` on `batch`, taken over `shards`
     equal shards whose losses (means over their samples) are averaged."""
-    per_shard = batch[0].shape[0] // shards
+    features, shapes, starts, classes, boxes = batch
+    per_shard = features.shape[0] // shards
     loss = 0.0
     for i in range(shards):
         part = slice(i * per_shard, (i + 1) * per_shard)
-        features, shapes, starts, classes, boxes = batch
         shard_loss = loss_fn(wrapped, features[part], shapes, starts, classes[part], boxes[part]) / shards
         shard_loss.backward()
         loss = loss + shard_loss.detach()

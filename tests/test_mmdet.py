@@ -124,9 +124,6 @@ def training_batch(model, dtype=torch.float32):
 
 
 def training_step_gradients(model, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    # Dropout draws from the global generator: seeded here, so the step is the same whatever ran
-    # before it (under pytest-xdist other modules' tests run between this module's).
-    torch.manual_seed(2)
     model.train()
     model.zero_grad(set_to_none=True)
     losses = model(**training_batch(model, dtype), mode="loss")
