@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .sampling import finite_or_nan, level_ok, place_sample, softmax_stats
+from .sampling import finite_or_nan, level_ok, place_sample
 
 
 @triton.jit
@@ -24,7 +24,7 @@ def _sample_level(
     channel,
     num_values,
     row_max,
-    row_scale,
+    row_sum,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_POINTS: tl.constexpr,
@@ -35,7 +35,9 @@ def _sample_level(
     SOFTMAX: tl.constexpr,
 ):
     """Add the level's samples to `acc`; returns it and the next level's first row. With
-    SOFTMAX, attn_ptr holds logits, weighted exp(logit - row_max) * row_scale."""
+    SOFTMAX, attn_ptr holds logits: an online softmax per thread group, row_max and row_sum
+    ([GROUPS, BLOCK_Q]) the largest logit the group has seen and its sum of exp(logit - row_max),
+    acc rescaled whenever the largest grows; returns them too (the kernel combines the groups)."""
     ROW: tl.constexpr = NUM_HEADS * HEAD_DIM  # elements between horizontally adjacent pixels
     h = tl.load(shapes_ptr + 2 * level).to(b.dtype)
     w = tl.load(shapes_ptr + 2 * level + 1).to(b.dtype)
@@ -49,9 +51,17 @@ def _sample_level(
             point = point_step + unrolled * GROUPS + group  # [GROUPS, 1]
             mask = (point < NUM_POINTS) & q_ok
             param = first_param + level * NUM_POINTS + point  # [GROUPS, BLOCK_Q]
-            if SOFTMAX:  # masked logits -inf: weight exactly 0 (exp(0 - row_max) could overflow)
-                attn = tl.load(attn_ptr + param, mask=mask, other=float("-inf")).to(COMPUTE)
-                attn = tl.exp(attn - row_max) * row_scale
+            if SOFTMAX:  # masked logits -inf: weight exactly 0
+                logit = tl.load(attn_ptr + param, mask=mask, other=float("-inf")).to(COMPUTE)
+                new_max = tl.maximum(row_max, logit)
+                # Nothing but -inf seen yet: rescale by 1 and weigh 0 (not -inf - -inf = NaN). A
+                # +inf or NaN logit makes its weight NaN, and so the query's output (torch.softmax).
+                seen = new_max != float("-inf")
+                rescale = tl.where(seen, tl.exp(row_max - new_max), 1.0)
+                attn = tl.where(seen, tl.exp(logit - new_max), 0.0)
+                acc = acc * rescale[:, :, None, None]
+                row_sum = row_sum * rescale + attn
+                row_max = new_max
             else:
                 attn = tl.load(attn_ptr + param, mask=mask, other=0.0).to(COMPUTE)
             # x and y interleave: one 8-byte load for both.
@@ -60,7 +70,7 @@ def _sample_level(
             )
             x, y = tl.split(xy)
             x0, y0, fx, fy, left, right, top, bottom = place_sample(x, y, h, w, usable, mask, COMPUTE)
-            if not SOFTMAX:  # a softmax weight is finite or NaN already (sampling.softmax_stats)
+            if not SOFTMAX:  # a softmax weight, exp(logit - running max), is finite or NaN already
                 attn = finite_or_nan(attn)
             attn_top = attn * (1.0 - fy)
             attn_bottom = attn * fy
@@ -77,7 +87,7 @@ def _sample_level(
             acc += (attn_bottom * (1.0 - fx))[:, :, None, None] * v.to(COMPUTE)
             v = tl.load(value_ptr + below + ROW, mask=(right & bottom)[:, :, None, None] & d_ok, other=0.0)
             acc += (attn_bottom * fx)[:, :, None, None] * v.to(COMPUTE)
-    return acc, start + h * w
+    return acc, start + h * w, row_max, row_sum
 
 
 # Q and S vary with the image: not specialized (16-divisibility would compile a second program).
@@ -128,13 +138,12 @@ def msda_forward_kernel(
     channel = channel[None, None, :, :]
     first_param = ((b * num_queries + q[None, :]) * NUM_HEADS + m) * (NUM_LEVELS * NUM_POINTS)  # [1, BLOCK_Q]
 
-    if SOFTMAX:  # a first pass over the query's L * K logits: their max and softmax denominator
-        row_max, row_scale = softmax_stats(
-            attn_ptr, first_param, q_ok, group, NUM_LEVELS * NUM_POINTS, GROUPS, UNROLL, COMPUTE
-        )
-    else:  # unused
-        row_max = tl.zeros([1, BLOCK_Q], dtype=COMPUTE)
-        row_scale = row_max
+    # With SOFTMAX: each thread group's running max and sum of the logits it has weighed (an
+    # online softmax, one pass over the logits). The statistics of a separate first pass came out
+    # of their reduction in a layout Triton then converted the loop's tensors to and back through
+    # shared memory on every step (bench/NOTES.md entry 18); these stay in the loop's layout.
+    row_max = tl.full([GROUPS, BLOCK_Q], float("-inf"), COMPUTE)
+    row_sum = tl.zeros([GROUPS, BLOCK_Q], dtype=COMPUTE)
 
     acc = tl.zeros([GROUPS, BLOCK_Q, BLOCK_D // CHUNK, CHUNK], dtype=COMPUTE)
     start = b * 0  # the level's first row, in the index dtype
@@ -142,20 +151,28 @@ def msda_forward_kernel(
     # with the unrolled samples.
     if LEVELS_UNROLLED:
         for level in tl.static_range(NUM_LEVELS):
-            acc, start = _sample_level(
+            acc, start, row_max, row_sum = _sample_level(
                 acc, start, level, value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr, b, m, first_param, q_ok,
-                group, channel, num_values, row_max, row_scale, NUM_HEADS, HEAD_DIM, NUM_POINTS, GROUPS, UNROLL,
+                group, channel, num_values, row_max, row_sum, NUM_HEADS, HEAD_DIM, NUM_POINTS, GROUPS, UNROLL,
                 COMPUTE, LEVEL_STARTS, SOFTMAX,
             )  # fmt: skip
     else:
         for level in tl.range(0, NUM_LEVELS):
-            acc, start = _sample_level(
+            acc, start, row_max, row_sum = _sample_level(
                 acc, start, level, value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr, b, m, first_param, q_ok,
-                group, channel, num_values, row_max, row_scale, NUM_HEADS, HEAD_DIM, NUM_POINTS, GROUPS, UNROLL,
+                group, channel, num_values, row_max, row_sum, NUM_HEADS, HEAD_DIM, NUM_POINTS, GROUPS, UNROLL,
                 COMPUTE, LEVEL_STARTS, SOFTMAX,
             )  # fmt: skip
 
+    if SOFTMAX:  # the groups' sums brought to the query's largest logit, then normalized
+        largest = tl.max(row_max, axis=0, keep_dims=True)  # [1, BLOCK_Q]
+        # A group that saw only -inf adds 0 (no -inf - -inf); all -inf: 0 / 0 = NaN, as torch.softmax.
+        group_scale = tl.where(row_max == float("-inf"), 0.0, tl.exp(row_max - largest))
+        acc = acc * group_scale[:, :, None, None]
+        total = tl.sum(row_sum * group_scale, axis=0)  # [BLOCK_Q]
     out = tl.sum(acc, axis=0)  # [BLOCK_Q, BLOCK_D // CHUNK, CHUNK]
+    if SOFTMAX:
+        out = out / total[:, None, None]
     out_row = (b * num_queries + q) * NUM_HEADS + m
     out_channel = tl.arange(0, BLOCK_D // CHUNK)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
     tl.store(

@@ -88,9 +88,9 @@ def compute_dtype(*tensors: Tensor):
 
 # The softmax operators on CUDA: True has the kernels normalize the logits themselves
 # (SOFTMAX=True); False (the default) runs torch.softmax, then the plain kernels. The fused
-# kernels are right (the GPU tier tests both forms) but slower: on the H200 the layer's forward
-# took 1081-1283 us fused against 871 us unfused at the encoder in float32, and tied at the
-# decoder (bench/NOTES.md entry 18). Off until the fused kernels win.
+# kernels are right (the GPU tier tests both forms) but slower at the encoder: on the H200 the
+# layer's forward took 935 us fused against 868 us unfused in float32 and 380 against 352 us in
+# bfloat16, and tied at the decoder (bench/NOTES.md entries 18 and 20). Off until they win.
 FUSED_SOFTMAX = False
 
 
