@@ -234,10 +234,20 @@ class _Function(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        value, spatial_shapes, level_start_index, sampling_locations, attention_weights = ctx.saved_tensors
-        grad_value, grad_loc, grad_attn = backward(
-            grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, ctx.softmax
-        )
+        saved = ctx.saved_tensors
+        value = saved[0]
+        if (
+            type(grad_output) is Tensor
+            and not torch.is_grad_enabled()
+            and not (value.dtype == torch.float64 and torch.are_deterministic_algorithms_enabled())
+            and not torch.compiler.is_compiling()
+            and torch._C._len_torch_dispatch_stack() == 0
+        ):
+            # The forward checked the saved tensors, and autograd hands over a grad_output of
+            # the output's shape, dtype and device: launch without checking again.
+            grad_value, grad_loc, grad_attn = launch_backward(grad_output, *saved, ctx.softmax)
+        else:  # create_graph (double backward), compiled autograd, a dispatch mode: the operator
+            grad_value, grad_loc, grad_attn = backward(grad_output, *saved, ctx.softmax)
         return grad_value, None, None, grad_loc, grad_attn, None
 
 
