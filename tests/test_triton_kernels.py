@@ -93,8 +93,11 @@ def test_level_starts_summed_in_kernel():
         grid, args, constexprs = launch.backward_call(grad_output, value, shapes, given, loc, attn, *grads)
         backward_kernel.msda_backward_kernel[grid](*args, **constexprs)
         outputs.append((out, *grads))
-    for with_starts, summed in zip(*outputs):
-        torch.testing.assert_close(summed, with_starts, rtol=0, atol=0)
+    for name, with_starts, summed in zip(("out", "grad_value", "grad_loc", "grad_attn"), *outputs):
+        # On a GPU, grad_value's float32 atomics add in any order: equal to rounding, not bitwise.
+        exact = name != "grad_value" or DEVICE == "cpu"
+        tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-5, "atol": 1e-6}
+        torch.testing.assert_close(summed, with_starts, **tol, msg=lambda m: f"{name}: {m}")
     assert_matches_reference(inputs, outputs[1], grad_output)
 
 
