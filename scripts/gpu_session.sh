@@ -57,9 +57,9 @@ tier() {
   return $s
 }
 
-sanitize_backward() {  # racecheck and initcheck over the backward at the decoder preset
-  compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 1 python3 scripts/sanitize_backward.py --preset decoder \
-    && PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool initcheck --error-exitcode 1 python3 scripts/sanitize_backward.py --preset decoder
+sanitize_backward() {  # racecheck and initcheck over the backward at both presets, every dtype
+  compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 1 python3 scripts/sanitize_backward.py \
+    && PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool initcheck --error-exitcode 1 python3 scripts/sanitize_backward.py
 }
 # Each argument is one part: tests[:PATHS], sanitize, tune, bench, or mod:MODULE (python -m MODULE).
 parts=("$@")
