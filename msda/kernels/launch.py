@@ -20,7 +20,10 @@ from .backward import msda_backward_kernel
 from .forward import msda_forward_kernel
 
 
-MAX_UNROLL = 4  # points per group unrolled in one loop step
+# Points per group unrolled in one loop step. The presets (K = 4) unroll 2 (forward) and 1
+# (backward) either way; more only lengthened compiles: at L x K = 128 the forward and backward
+# compiled for sm_90 in 2.1-2.4 s with 4 and 0.8-0.95 s with 2 (bench/NOTES.md entry 23).
+MAX_UNROLL = 2
 MAX_THREADS = 512  # per program: wide rows (D = 256 in float64 is 128 loads of 16 bytes) take fewer queries
 
 
