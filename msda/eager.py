@@ -154,11 +154,10 @@ def launch_backward(
     """The backward kernel on checked CUDA tensors: (grad_value, grad_loc, grad_attn); softmax:
     the last tensor holds logits, and grad_attn is their gradient."""
     if softmax and not launch.FUSED_SOFTMAX:  # torch.softmax, then the plain kernel (launch.py says why)
-        weights = torch_impl.softmax_weights(attention_weights, value, sampling_locations)
-        grad_value, grad_loc, grad_weights = launch_backward(
-            grad_output, value, spatial_shapes, level_start_index, sampling_locations, weights
-        )
-        return grad_value, grad_loc, torch_impl.softmax_grad(weights, grad_weights, attention_weights.dtype)
+        return torch_impl.backward_through_softmax(
+            launch_backward, grad_output, value, spatial_shapes, level_start_index, sampling_locations,
+            attention_weights,
+        )  # fmt: skip
     value, spatial_shapes, level_start_index, sampling_locations, attention_weights = _contiguous(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights
     )
@@ -194,15 +193,26 @@ def _starts(spatial_shapes: Tensor, level_start_index: Tensor | None) -> Tensor:
     return level_start_index_from_shapes(spatial_shapes)
 
 
+def _kernel_backward_eligible(
+    grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights
+) -> bool:
+    """Whether the backward may launch the kernel directly: `eligible` tensors, no graph of the
+    backward to record (create_graph: the operator has the double backward), and not the
+    deterministic float64 backward (the pure-PyTorch one)."""
+    return (
+        eligible(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_output)
+        and not (value.dtype == torch.float64 and torch.are_deterministic_algorithms_enabled())
+        and not torch.is_grad_enabled()
+    )
+
+
 def backward(
     grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax=False
 ):
     """(grad_value, grad_loc, grad_attn): the backward kernel where eligible, else the operator
     (msda::backward, or msda::backward_softmax with softmax=True)."""
-    if (
-        eligible(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_output)
-        and not (value.dtype == torch.float64 and torch.are_deterministic_algorithms_enabled())
-        and not torch.is_grad_enabled()
+    if _kernel_backward_eligible(
+        grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights
     ):
         _check(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax)
         validation.check_tensor("grad_output", grad_output)
@@ -235,14 +245,7 @@ class _Function(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         saved = ctx.saved_tensors
-        value = saved[0]
-        if (
-            type(grad_output) is Tensor
-            and not torch.is_grad_enabled()
-            and not (value.dtype == torch.float64 and torch.are_deterministic_algorithms_enabled())
-            and not torch.compiler.is_compiling()
-            and torch._C._len_torch_dispatch_stack() == 0
-        ):
+        if _kernel_backward_eligible(grad_output, *saved):
             # The forward checked the saved tensors, and autograd hands over a grad_output of
             # the output's shape, dtype and device: launch without checking again.
             grad_value, grad_loc, grad_attn = launch_backward(grad_output, *saved, ctx.softmax)

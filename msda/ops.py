@@ -290,11 +290,10 @@ def backward_softmax(
             grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_logits
         )
     if not launch.FUSED_SOFTMAX:  # torch.softmax, then the plain kernels (launch.FUSED_SOFTMAX says why)
-        weights = torch_impl.softmax_weights(attention_logits, value, sampling_locations)
-        grad_value, grad_loc, grad_weights = torch.ops.msda.backward(
-            grad_output, value, spatial_shapes, level_start_index, sampling_locations, weights
-        )
-        return grad_value, grad_loc, torch_impl.softmax_grad(weights, grad_weights, attention_logits.dtype)
+        return torch_impl.backward_through_softmax(
+            torch.ops.msda.backward, grad_output, value, spatial_shapes, level_start_index, sampling_locations,
+            attention_logits,
+        )  # fmt: skip
 
     return _launch_backward(
         grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_logits, softmax=True

@@ -410,8 +410,19 @@ def backward_softmax(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The backward above with the softmax's weights, then the softmax backward, explicit:
     d logit_j = p_j * (g_j - sum_i p_i g_i), g the gradient of the normalized weights."""
+    return backward_through_softmax(
+        backward, grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_logits
+    )
+
+
+def backward_through_softmax(
+    plain_backward, grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_logits
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_value, grad_loc, grad_logits): `plain_backward` (any of the backwards on weights:
+    this module's, msda::backward, the eager path's) on the softmax's weights, then the softmax
+    backward (`softmax_grad`)."""
     weights = softmax_weights(attention_logits, value, sampling_locations)  # in the compute dtype
-    grad_value, grad_loc, grad_weights = backward(
+    grad_value, grad_loc, grad_weights = plain_backward(
         grad_output, value, spatial_shapes, level_start_index, sampling_locations, weights
     )
     return grad_value, grad_loc, softmax_grad(weights, grad_weights, attention_logits.dtype)
