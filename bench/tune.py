@@ -2,14 +2,14 @@
 
     python -m bench.tune [--presets decoder encoder] [--dtypes float32 float16 bfloat16]
                          [--dists uniform local] [--kernels fwd bwd]
-                         [--forward 16,2,0 8,2,0 ...] [--backward 4,4,0 ...]
+                         [--forward 16,2,0 8,2,0 ...] [--backward 4,4,0 ...] [--float32-params]
 
-Each variant is a msda.kernels.launch.TileConfig (block_q,groups,threads_per_row[,unroll_levels];
-threads_per_row 0 reads a whole row per load), launched explicitly through the same argument
-builders as the operator: nothing in msda is patched. Device time by CUDA-graph replay of the
-kernel launches (the backward's zeroing of grad_value included), every variant's output checked
-against the float64 reference in the same run, and the peer deformops beside it when importable.
-bench/NOTES.md logs what the sweeps chose.
+Each variant is a msda.kernels.launch.TileConfig (block_q,groups,threads_per_row[,unroll_levels
+[,prefetch[,bf16_pairs]]]; threads_per_row 0 reads a whole row per load), launched explicitly
+through the same argument builders as the operator: nothing in msda is patched. Device time by
+CUDA-graph replay of the kernel launches (the backward's zeroing of grad_value included), every
+variant's output checked against the float64 reference in the same run, and the peer deformops
+beside it when importable. bench/NOTES.md logs what the sweeps chose.
 """
 
 from __future__ import annotations
@@ -72,8 +72,11 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--dists", nargs="+", default=["uniform"], choices=DISTS)
     parser.add_argument("--kernels", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
-    parser.add_argument("--forward", nargs="+", type=_tiles, default=FORWARD_SWEEP, metavar="Q,G,T[,U]")
+    parser.add_argument("--forward", nargs="+", type=_tiles, default=FORWARD_SWEEP, metavar="Q,G,T[,U[,P[,B]]]")
     parser.add_argument("--backward", nargs="+", type=_tiles, default=BACKWARD_SWEEP, metavar="Q,G,T")
+    parser.add_argument("--float32-params", action="store_true",
+                        help="float32 locations and weights with half-precision values (default: the "
+                             "value's dtype, as the bench and most models; NOTES entry 25)")  # fmt: skip
     opts = parser.parse_args()
 
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  (graph replay, µs; relative error)")
@@ -86,7 +89,8 @@ def main() -> None:
         for dist in opts.dists:
             for dtype_name in opts.dtypes:
                 dtype = DTYPES[dtype_name]
-                inputs = make_inputs(PRESETS[preset], dtype, "cuda", loc_dtype=torch.float32, dist=dist, seed=3)
+                loc_dtype = torch.float32 if opts.float32_params else dtype
+                inputs = make_inputs(PRESETS[preset], dtype, "cuda", loc_dtype=loc_dtype, dist=dist, seed=3)
                 cell = f"{preset} {dist} {dtype_name}"
                 if "fwd" in opts.kernels:
                     expected = reference(inputs.value, inputs.spatial_shapes, inputs.sampling_locations,

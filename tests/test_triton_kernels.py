@@ -101,6 +101,47 @@ def test_level_starts_summed_in_kernel():
     assert_matches_reference(inputs, outputs[1], grad_output)
 
 
+@pytest.mark.parametrize("points, groups", [(2, 1), (5, 2), (3, 4)])
+def test_prefetched_parameters(monkeypatch, points, groups):
+    """The forward with each step's parameters loaded a step ahead: one step a level (K = 2 in one
+    group of 2), two steps a level with a masked last point (K = 5 in 2 groups of 2), one point a
+    step (UNROLL 1); with level_start_index and with the level sizes summed in the kernel."""
+    tile = launch.TileConfig(block_q=4, groups=groups, threads_per_row=0, prefetch=True)
+    monkeypatch.setattr(launch, "forward_config", lambda *args: tile)
+    shape = Shape(batch=2, queries=5, heads=2, head_dim=6, levels=((5, 6), (3, 2), (1, 1)), points=points)
+    inputs = make_inputs(shape, torch.float32, DEVICE, outside_fraction=0.25, seed=50 + points)
+    grad_output = random_like_output(inputs)
+    outputs = forward_backward(inputs, grad_output)
+    assert_matches_reference(inputs, outputs, grad_output)
+    value, shapes, _, loc, attn = inputs.args()
+    summed = torch.empty_like(outputs[0])
+    grid, args, constexprs = launch.forward_call(value, shapes, None, loc, attn, summed)
+    assert constexprs["PREFETCH"] and not constexprs["LEVEL_STARTS"]
+    forward_kernel.msda_forward_kernel[grid](*args, **constexprs)
+    torch.testing.assert_close(summed, outputs[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("head_dim, offset", [(6, 0), (5, 0), (6, 1)])
+def test_bfloat16_pairs(head_dim, offset):
+    """The forward reading a bfloat16 value as int32 pairs gives the bits of the plain loads;
+    an odd D, or data that starts off a 4-byte boundary, keeps the plain loads."""
+    shape = Shape(batch=2, queries=5, heads=2, head_dim=head_dim, levels=((5, 6), (3, 2), (1, 1)), points=2)
+    inputs = make_inputs(shape, torch.bfloat16, DEVICE, loc_dtype=torch.float32, outside_fraction=0.25, seed=60)
+    value, shapes, starts, loc, attn = inputs.args()
+    # A contiguous copy `offset` elements into its storage.
+    storage = torch.empty(offset + value.numel(), dtype=value.dtype, device=value.device)
+    value = storage[offset:].view_as(value).copy_(value)
+    outputs = []
+    for pairs in (False, True):
+        out = value.new_empty(shape.batch, shape.queries, shape.heads * head_dim)
+        tile = launch.TileConfig(block_q=4, groups=2, threads_per_row=0, bf16_pairs=pairs)
+        grid, args, constexprs = launch.forward_call(value, shapes, starts, loc, attn, out, tile)
+        assert constexprs["BF16_PAIRS"] == (pairs and head_dim % 2 == 0 and offset % 2 == 0)
+        forward_kernel.msda_forward_kernel[grid](*args, **constexprs)
+        outputs.append(out)
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)
+
+
 def test_local_distribution():
     shape = Shape(batch=1, queries=28, heads=2, head_dim=4, levels=((4, 5), (2, 3), (1, 2)), points=2)
     assert shape.queries == shape.num_values  # an encoder: every pixel is a query

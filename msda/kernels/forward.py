@@ -7,10 +7,160 @@ from .sampling import finite_or_nan, level_ok, place_sample
 
 
 @triton.jit
-def _sample_level(
+def _step_params(
+    step,
+    loc_ptr,
+    attn_ptr,
+    first_param,
+    q_ok,
+    group,
+    NUM_LEVELS: tl.constexpr,
+    NUM_POINTS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    UNROLL: tl.constexpr,
+    SOFTMAX: tl.constexpr,
+):
+    """The weights (with SOFTMAX the logits) and interleaved (x, y) of a loop step's points,
+    ([GROUPS, BLOCK_Q], [GROUPS, BLOCK_Q, 2]) for the first and the second of its UNROLL (1 or 2)
+    points (with UNROLL 1 the second is the first again, unused). A step is one level's
+    GROUPS * UNROLL points; steps past the last load nothing."""
+    STEPS: tl.constexpr = (NUM_POINTS + GROUPS * UNROLL - 1) // (GROUPS * UNROLL)  # a level's steps
+    level = step // STEPS
+    point = (step % STEPS) * (GROUPS * UNROLL) + group  # [GROUPS, 1]
+    mask = (point < NUM_POINTS) & q_ok & (step < NUM_LEVELS * STEPS)
+    param = first_param + level * NUM_POINTS + point  # [GROUPS, BLOCK_Q]
+    # Masked logits are -inf: weight exactly 0.
+    attn_a = tl.load(attn_ptr + param, mask=mask, other=float("-inf") if SOFTMAX else 0.0)
+    # x and y interleave: one 8-byte load for both.
+    pair = tl.arange(0, 2)[None, None, :]
+    xy_a = tl.load(loc_ptr + 2 * param[:, :, None] + pair, mask=mask[:, :, None], other=0.0)
+    if UNROLL == 2:
+        mask = (point + GROUPS < NUM_POINTS) & q_ok & (step < NUM_LEVELS * STEPS)
+        attn_b = tl.load(attn_ptr + param + GROUPS, mask=mask, other=float("-inf") if SOFTMAX else 0.0)
+        xy_b = tl.load(loc_ptr + 2 * (param + GROUPS)[:, :, None] + pair, mask=mask[:, :, None], other=0.0)
+    else:
+        tl.static_assert(UNROLL == 1, "the forward unrolls at most 2 points a step (launch.MAX_UNROLL)")
+        attn_b, xy_b = attn_a, xy_a
+    return attn_a, xy_a, attn_b, xy_b
+
+
+@triton.jit
+def _bf16_pairs(pairs, mask):
+    """The bfloat16 value rows at `pairs` (int32 pointers, two elements each; zeros where not
+    `mask`) as float32: the pairs' low elements and their high ones, two tensors of its shape.
+
+    A bfloat16's float32 is its 16 bits shifted up, so the low element of a pair is pair << 16
+    and the high one pair & 0xFFFF0000, one integer op each; the conversion Triton emits for
+    bfloat16 takes about 1.5 (bench/NOTES.md, entry 25). Joined on a last axis of 2, or merged
+    into one channel axis, the halves took another layout, and Triton recomputed the sample
+    weights in it: hence two tensors (and two accumulators)."""
+    bits = tl.load(pairs, mask=mask, other=0)
+    return (bits << 16).to(tl.float32, bitcast=True), (bits & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _add_sample(
     acc,
+    acc_high,
+    row_max,
+    row_sum,
+    attn,
+    xy,
+    point,
+    q_ok,
+    h,
+    w,
+    usable,
+    level_row,
+    value_ptr,
+    lanes,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_POINTS: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    SOFTMAX: tl.constexpr,
+    BF16_PAIRS: tl.constexpr,
+):
+    """Add one point of each (group, query) to `acc`: its four corners' value rows, weighed
+    (with BF16_PAIRS: the pairs' low elements to `acc`, their high ones to `acc_high`).
+    With SOFTMAX, `attn` holds logits: an online softmax per thread group, row_max and row_sum
+    ([GROUPS, BLOCK_Q]) the largest logit the group has seen and its sum of exp(logit - row_max),
+    acc rescaled whenever the largest grows (the kernel combines the groups at the end)."""
+    mask = (point < NUM_POINTS) & q_ok
+    attn = attn.to(COMPUTE)
+    if SOFTMAX:
+        new_max = tl.maximum(row_max, attn)
+        # Nothing but -inf seen yet: rescale by 1 and weigh 0 (not -inf - -inf = NaN). A
+        # +inf or NaN logit makes its weight NaN, and so the query's output (torch.softmax).
+        seen = new_max != float("-inf")
+        rescale = tl.where(seen, tl.exp(row_max - new_max), 1.0)
+        attn = tl.where(seen, tl.exp(attn - new_max), 0.0)
+        acc = acc * rescale[:, :, None, None]
+        if BF16_PAIRS:
+            acc_high = acc_high * rescale[:, :, None, None]
+        row_sum = row_sum * rescale + attn
+        row_max = new_max
+    else:  # a softmax weight, exp(logit - running max), is finite or NaN already
+        attn = finite_or_nan(attn)
+    x, y = tl.split(xy)
+    x0, y0, fx, fy, left, right, top, bottom = place_sample(x, y, h, w, usable, mask, COMPUTE)
+    attn_top = attn * (1.0 - fy)
+    attn_bottom = attn * fy
+    if BF16_PAIRS:
+        # Pointers to the top-left corner's pairs (`lanes` across the row); the other corners
+        # are a pixel (NUM_HEADS rows) and an image row (w pixels) away, constant offsets from a
+        # pointer that fold into the load instructions. Where a corner is outside, its pointers
+        # are unused: every access through them is masked.
+        PIXEL: tl.constexpr = NUM_HEADS * (HEAD_DIM // 2)
+        upper = value_ptr.to(tl.pointer_type(tl.int32)) + (
+            (level_row + (y0 * w + x0) * NUM_HEADS) * (HEAD_DIM // 2)
+        )[:, :, None, None] + lanes
+        lower = upper + w * PIXEL  # the bottom corners' rows
+        lane_ok = lanes < HEAD_DIM // 2
+        low, high = _bf16_pairs(upper, (left & top)[:, :, None, None] & lane_ok)
+        acc += (attn_top * (1.0 - fx))[:, :, None, None] * low
+        acc_high += (attn_top * (1.0 - fx))[:, :, None, None] * high
+        low, high = _bf16_pairs(upper + PIXEL, (right & top)[:, :, None, None] & lane_ok)
+        acc += (attn_top * fx)[:, :, None, None] * low
+        acc_high += (attn_top * fx)[:, :, None, None] * high
+        low, high = _bf16_pairs(lower, (left & bottom)[:, :, None, None] & lane_ok)
+        acc += (attn_bottom * (1.0 - fx))[:, :, None, None] * low
+        acc_high += (attn_bottom * (1.0 - fx))[:, :, None, None] * high
+        low, high = _bf16_pairs(lower + PIXEL, (right & bottom)[:, :, None, None] & lane_ok)
+        acc += (attn_bottom * fx)[:, :, None, None] * low
+        acc_high += (attn_bottom * fx)[:, :, None, None] * high
+    else:
+        # Element offset of the top-left corner's row (`lanes` across it); the others are ROW
+        # and w * ROW away. Where a corner is outside, its offset is unused: every access through
+        # it is masked.
+        ROW: tl.constexpr = NUM_HEADS * HEAD_DIM  # elements between horizontally adjacent pixels
+        d_ok = lanes < HEAD_DIM
+        corner = (level_row + (y0 * w + x0) * NUM_HEADS) * HEAD_DIM
+        corner = corner[:, :, None, None] + lanes
+        below = corner + w * ROW
+        v = tl.load(value_ptr + corner, mask=(left & top)[:, :, None, None] & d_ok, other=0.0)
+        acc += (attn_top * (1.0 - fx))[:, :, None, None] * v.to(COMPUTE)
+        v = tl.load(value_ptr + corner + ROW, mask=(right & top)[:, :, None, None] & d_ok, other=0.0)
+        acc += (attn_top * fx)[:, :, None, None] * v.to(COMPUTE)
+        v = tl.load(value_ptr + below, mask=(left & bottom)[:, :, None, None] & d_ok, other=0.0)
+        acc += (attn_bottom * (1.0 - fx))[:, :, None, None] * v.to(COMPUTE)
+        v = tl.load(value_ptr + below + ROW, mask=(right & bottom)[:, :, None, None] & d_ok, other=0.0)
+        acc += (attn_bottom * fx)[:, :, None, None] * v.to(COMPUTE)
+    return acc, acc_high, row_max, row_sum
+
+
+@triton.jit
+def _step(
+    step,
+    acc,
+    acc_high,
     start,
-    level,
+    row_max,
+    row_sum,
+    next_attn_a,
+    next_xy_a,
+    next_attn_b,
+    next_xy_b,
     value_ptr,
     shapes_ptr,
     starts_ptr,
@@ -21,73 +171,54 @@ def _sample_level(
     first_param,
     q_ok,
     group,
-    channel,
+    lanes,
     num_values,
-    row_max,
-    row_sum,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    NUM_LEVELS: tl.constexpr,
     NUM_POINTS: tl.constexpr,
     GROUPS: tl.constexpr,
     UNROLL: tl.constexpr,
     COMPUTE: tl.constexpr,
     LEVEL_STARTS: tl.constexpr,
     SOFTMAX: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    BF16_PAIRS: tl.constexpr,
 ):
-    """Add the level's samples to `acc`; returns it and the next level's first row. With
-    SOFTMAX, attn_ptr holds logits: an online softmax per thread group, row_max and row_sum
-    ([GROUPS, BLOCK_Q]) the largest logit the group has seen and its sum of exp(logit - row_max),
-    acc rescaled whenever the largest grows; returns them too (the kernel combines the groups)."""
-    ROW: tl.constexpr = NUM_HEADS * HEAD_DIM  # elements between horizontally adjacent pixels
+    """One loop step: GROUPS * UNROLL points of one level for each query. With PREFETCH the
+    step's parameters were loaded by the step before (the next_* arguments) and this step loads
+    the next one's, so that their latency overlaps this step's gathers instead of preceding them;
+    returns the running values and the parameters for the next step."""
+    if PREFETCH:
+        attn_a, xy_a, attn_b, xy_b = next_attn_a, next_xy_a, next_attn_b, next_xy_b
+        next_attn_a, next_xy_a, next_attn_b, next_xy_b = _step_params(
+            step + 1, loc_ptr, attn_ptr, first_param, q_ok, group, NUM_LEVELS, NUM_POINTS, GROUPS, UNROLL, SOFTMAX
+        )
+    else:
+        attn_a, xy_a, attn_b, xy_b = _step_params(
+            step, loc_ptr, attn_ptr, first_param, q_ok, group, NUM_LEVELS, NUM_POINTS, GROUPS, UNROLL, SOFTMAX
+        )
+    STEPS: tl.constexpr = (NUM_POINTS + GROUPS * UNROLL - 1) // (GROUPS * UNROLL)  # a level's steps
+    level = step // STEPS
     h = tl.load(shapes_ptr + 2 * level).to(b.dtype)
     w = tl.load(shapes_ptr + 2 * level + 1).to(b.dtype)
     if LEVEL_STARTS:
         start = tl.load(starts_ptr + level).to(b.dtype)
     usable = level_ok(h, w, start, num_values)
     level_row = (b * num_values + start) * NUM_HEADS + m
-    d_ok = channel < HEAD_DIM
-    for point_step in tl.range(0, NUM_POINTS, GROUPS * UNROLL):
-        for unrolled in tl.static_range(UNROLL):
-            point = point_step + unrolled * GROUPS + group  # [GROUPS, 1]
-            mask = (point < NUM_POINTS) & q_ok
-            param = first_param + level * NUM_POINTS + point  # [GROUPS, BLOCK_Q]
-            if SOFTMAX:  # masked logits -inf: weight exactly 0
-                logit = tl.load(attn_ptr + param, mask=mask, other=float("-inf")).to(COMPUTE)
-                new_max = tl.maximum(row_max, logit)
-                # Nothing but -inf seen yet: rescale by 1 and weigh 0 (not -inf - -inf = NaN). A
-                # +inf or NaN logit makes its weight NaN, and so the query's output (torch.softmax).
-                seen = new_max != float("-inf")
-                rescale = tl.where(seen, tl.exp(row_max - new_max), 1.0)
-                attn = tl.where(seen, tl.exp(logit - new_max), 0.0)
-                acc = acc * rescale[:, :, None, None]
-                row_sum = row_sum * rescale + attn
-                row_max = new_max
-            else:
-                attn = tl.load(attn_ptr + param, mask=mask, other=0.0).to(COMPUTE)
-            # x and y interleave: one 8-byte load for both.
-            xy = tl.load(
-                loc_ptr + 2 * param[:, :, None] + tl.arange(0, 2)[None, None, :], mask=mask[:, :, None], other=0.0
-            )
-            x, y = tl.split(xy)
-            x0, y0, fx, fy, left, right, top, bottom = place_sample(x, y, h, w, usable, mask, COMPUTE)
-            if not SOFTMAX:  # a softmax weight, exp(logit - running max), is finite or NaN already
-                attn = finite_or_nan(attn)
-            attn_top = attn * (1.0 - fy)
-            attn_bottom = attn * fy
-            # Element offset of the top-left corner's row; the others are ROW and w * ROW away.
-            # Where a corner is outside, its offset is unused: every access through it is masked.
-            corner = (level_row + (y0 * w + x0) * NUM_HEADS) * HEAD_DIM
-            corner = corner[:, :, None, None] + channel
-            below = corner + w * ROW
-            v = tl.load(value_ptr + corner, mask=(left & top)[:, :, None, None] & d_ok, other=0.0)
-            acc += (attn_top * (1.0 - fx))[:, :, None, None] * v.to(COMPUTE)
-            v = tl.load(value_ptr + corner + ROW, mask=(right & top)[:, :, None, None] & d_ok, other=0.0)
-            acc += (attn_top * fx)[:, :, None, None] * v.to(COMPUTE)
-            v = tl.load(value_ptr + below, mask=(left & bottom)[:, :, None, None] & d_ok, other=0.0)
-            acc += (attn_bottom * (1.0 - fx))[:, :, None, None] * v.to(COMPUTE)
-            v = tl.load(value_ptr + below + ROW, mask=(right & bottom)[:, :, None, None] & d_ok, other=0.0)
-            acc += (attn_bottom * fx)[:, :, None, None] * v.to(COMPUTE)
-    return acc, start + h * w, row_max, row_sum
+    point = (step % STEPS) * (GROUPS * UNROLL) + group  # [GROUPS, 1]
+    acc, acc_high, row_max, row_sum = _add_sample(
+        acc, acc_high, row_max, row_sum, attn_a, xy_a, point, q_ok, h, w, usable, level_row, value_ptr, lanes,
+        NUM_HEADS, HEAD_DIM, NUM_POINTS, COMPUTE, SOFTMAX, BF16_PAIRS,
+    )  # fmt: skip
+    if UNROLL == 2:
+        acc, acc_high, row_max, row_sum = _add_sample(
+            acc, acc_high, row_max, row_sum, attn_b, xy_b, point + GROUPS, q_ok, h, w, usable, level_row, value_ptr,
+            lanes, NUM_HEADS, HEAD_DIM, NUM_POINTS, COMPUTE, SOFTMAX, BF16_PAIRS,
+        )  # fmt: skip
+    if not LEVEL_STARTS:  # the next level's first row, after the level's last step
+        start = tl.where(step % STEPS == STEPS - 1, start + h * w, start)
+    return acc, acc_high, start, row_max, row_sum, next_attn_a, next_xy_a, next_attn_b, next_xy_b
 
 
 # Q and S vary with the image: not specialized (16-divisibility would compile a second program).
@@ -115,6 +246,8 @@ def msda_forward_kernel(
     INDEX_64: tl.constexpr,
     LEVEL_STARTS: tl.constexpr,  # False: level_start_index was not given, sum the level sizes
     SOFTMAX: tl.constexpr,  # attn_ptr holds logits: weights are their softmax over the L * K samples
+    PREFETCH: tl.constexpr,  # load each step's parameters one step ahead
+    BF16_PAIRS: tl.constexpr,  # bfloat16 value read as int32 pairs (even HEAD_DIM): see _bf16_pairs
 ):
     # One program: BLOCK_Q queries of one (batch, head); neighbouring programs take the next
     # queries of the same head, so the programs that share an SM share that head's value rows
@@ -134,8 +267,10 @@ def msda_forward_kernel(
     # contiguous last axis (16 bytes each), then to the groups and queries, and leaves the chunk
     # axis to each thread's registers: a row is read by CHUNK / vector threads, each holding
     # BLOCK_D / CHUNK vectors of it.
-    channel = tl.arange(0, BLOCK_D // CHUNK)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
-    channel = channel[None, None, :, :]
+    # BF16_PAIRS reads the same rows as int32 pairs: CHUNK // 2 lanes a chunk (_gather_rows).
+    LANES: tl.constexpr = CHUNK // 2 if BF16_PAIRS else CHUNK
+    lanes = tl.arange(0, BLOCK_D // CHUNK)[:, None] * LANES + tl.arange(0, LANES)[None, :]
+    lanes = lanes[None, None, :, :]
     first_param = ((b * num_queries + q[None, :]) * NUM_HEADS + m) * (NUM_LEVELS * NUM_POINTS)  # [1, BLOCK_Q]
 
     # With SOFTMAX: each thread group's running max and sum of the logits it has weighed (an
@@ -145,23 +280,38 @@ def msda_forward_kernel(
     row_max = tl.full([GROUPS, BLOCK_Q], float("-inf"), COMPUTE)
     row_sum = tl.zeros([GROUPS, BLOCK_Q], dtype=COMPUTE)
 
-    acc = tl.zeros([GROUPS, BLOCK_Q, BLOCK_D // CHUNK, CHUNK], dtype=COMPUTE)
+    if BF16_PAIRS:  # the pairs' low and high elements (_gather_rows)
+        acc = tl.zeros([GROUPS, BLOCK_Q, BLOCK_D // CHUNK, CHUNK // 2], dtype=COMPUTE)
+        acc_high = tl.zeros([GROUPS, BLOCK_Q, BLOCK_D // CHUNK, CHUNK // 2], dtype=COMPUTE)
+    else:
+        acc = tl.zeros([GROUPS, BLOCK_Q, BLOCK_D // CHUNK, CHUNK], dtype=COMPUTE)
+        acc_high = tl.zeros([1], dtype=COMPUTE)  # unused
     start = b * 0  # the level's first row, in the index dtype
-    # A loop over levels, unrolled only where there are few samples in all: compile time grows
-    # with the unrolled samples.
+    # The first step's parameters (PREFETCH), else placeholders the steps pass along unread.
+    if PREFETCH:
+        attn_a, xy_a, attn_b, xy_b = _step_params(
+            0, loc_ptr, attn_ptr, first_param, q_ok, group, NUM_LEVELS, NUM_POINTS, GROUPS, UNROLL, SOFTMAX
+        )
+    else:
+        attn_a = tl.zeros([GROUPS, BLOCK_Q], dtype=attn_ptr.dtype.element_ty)
+        xy_a = tl.zeros([GROUPS, BLOCK_Q, 2], dtype=loc_ptr.dtype.element_ty)
+        attn_b, xy_b = attn_a, xy_a
+    # One loop over every level's steps, unrolled only where there are few samples in all:
+    # compile time grows with the unrolled samples.
+    TOTAL_STEPS: tl.constexpr = NUM_LEVELS * ((NUM_POINTS + GROUPS * UNROLL - 1) // (GROUPS * UNROLL))
     if LEVELS_UNROLLED:
-        for level in tl.static_range(NUM_LEVELS):
-            acc, start, row_max, row_sum = _sample_level(
-                acc, start, level, value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr, b, m, first_param, q_ok,
-                group, channel, num_values, row_max, row_sum, NUM_HEADS, HEAD_DIM, NUM_POINTS, GROUPS, UNROLL,
-                COMPUTE, LEVEL_STARTS, SOFTMAX,
+        for step in tl.static_range(TOTAL_STEPS):
+            acc, acc_high, start, row_max, row_sum, attn_a, xy_a, attn_b, xy_b = _step(
+                step, acc, acc_high, start, row_max, row_sum, attn_a, xy_a, attn_b, xy_b, value_ptr, shapes_ptr,
+                starts_ptr, loc_ptr, attn_ptr, b, m, first_param, q_ok, group, lanes, num_values, NUM_HEADS, HEAD_DIM,
+                NUM_LEVELS, NUM_POINTS, GROUPS, UNROLL, COMPUTE, LEVEL_STARTS, SOFTMAX, PREFETCH, BF16_PAIRS,
             )  # fmt: skip
     else:
-        for level in tl.range(0, NUM_LEVELS):
-            acc, start, row_max, row_sum = _sample_level(
-                acc, start, level, value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr, b, m, first_param, q_ok,
-                group, channel, num_values, row_max, row_sum, NUM_HEADS, HEAD_DIM, NUM_POINTS, GROUPS, UNROLL,
-                COMPUTE, LEVEL_STARTS, SOFTMAX,
+        for step in tl.range(0, TOTAL_STEPS):
+            acc, acc_high, start, row_max, row_sum, attn_a, xy_a, attn_b, xy_b = _step(
+                step, acc, acc_high, start, row_max, row_sum, attn_a, xy_a, attn_b, xy_b, value_ptr, shapes_ptr,
+                starts_ptr, loc_ptr, attn_ptr, b, m, first_param, q_ok, group, lanes, num_values, NUM_HEADS, HEAD_DIM,
+                NUM_LEVELS, NUM_POINTS, GROUPS, UNROLL, COMPUTE, LEVEL_STARTS, SOFTMAX, PREFETCH, BF16_PAIRS,
             )  # fmt: skip
 
     if SOFTMAX:  # the groups' sums brought to the query's largest logit, then normalized
@@ -169,8 +319,12 @@ def msda_forward_kernel(
         # A group that saw only -inf adds 0 (no -inf - -inf); all -inf: 0 / 0 = NaN, as torch.softmax.
         group_scale = tl.where(row_max == float("-inf"), 0.0, tl.exp(row_max - largest))
         acc = acc * group_scale[:, :, None, None]
+        if BF16_PAIRS:
+            acc_high = acc_high * group_scale[:, :, None, None]
         total = tl.sum(row_sum * group_scale, axis=0)  # [BLOCK_Q]
     out = tl.sum(acc, axis=0)  # [BLOCK_Q, BLOCK_D // CHUNK, CHUNK]
+    if BF16_PAIRS:  # the pairs interleaved again
+        out = tl.reshape(tl.join(out, tl.sum(acc_high, axis=0)), [BLOCK_Q, BLOCK_D // CHUNK, CHUNK])
     if SOFTMAX:
         out = out / total[:, None, None]
     out_row = (b * num_queries + q) * NUM_HEADS + m

@@ -45,6 +45,8 @@ class TileConfig(NamedTuple):
     groups: int
     threads_per_row: int
     unroll_levels: int = 0  # forward: unroll the level loop when L * K is at most this
+    prefetch: bool = False  # forward: load each loop step's parameters one step ahead
+    bf16_pairs: bool = False  # forward: read a bfloat16 value as int32 pairs (even head_dim)
 
     @functools.lru_cache(maxsize=256)
     def constexprs(self, head_dim: int, element_size: int, num_points: int) -> dict:
@@ -71,11 +73,18 @@ class TileConfig(NamedTuple):
 
 
 def forward_config(num_levels: int, num_points: int, head_dim: int, value_dtype: torch.dtype) -> TileConfig:
-    """The forward's launch rule (bench/NOTES.md, entry 13, has the sweeps behind it): a whole
-    value row per load instruction (fewer threads per row issue fewer instructions but cost
-    the L1 more wavefronts per byte), 16 queries, each level's points split in two groups, the
-    levels in a loop (unrolled, they won some cells and lost others by a few percent)."""
-    return TileConfig(block_q=16, groups=2, threads_per_row=0, unroll_levels=0)
+    """The forward's launch rule (bench/NOTES.md, entries 13 and 25, have the sweeps behind it): a
+    whole value row per load instruction (fewer threads per row issue fewer instructions but
+    cost the L1 more wavefronts per byte), 16 queries, each level's points split in two groups.
+    Per dtype, from one A/B sweep on the H200: float32 loads each step's parameters a step ahead
+    (decoder -9%, encoder uniform -4%, local +1%); bfloat16 reads the value as int32 pairs, and
+    prefetches and unrolls the level loop where L * K <= 16 (-9 to -12% in every cell); float16
+    keeps the plain loop (both lost it 2-10% at the encoder)."""
+    if value_dtype == torch.bfloat16:
+        return TileConfig(block_q=16, groups=2, threads_per_row=0, unroll_levels=16, prefetch=True, bf16_pairs=True)
+    if value_dtype == torch.float16:
+        return TileConfig(block_q=16, groups=2, threads_per_row=0)
+    return TileConfig(block_q=16, groups=2, threads_per_row=0, prefetch=True)
 
 
 def backward_config(num_levels: int, num_points: int, head_dim: int, value_dtype: torch.dtype) -> TileConfig:
@@ -100,6 +109,14 @@ FUSED_SOFTMAX = False
 def softmax_scratch_dtype(*tensors: Tensor) -> torch.dtype:
     """The dtype of the backward's softmax scratch: the compute dtype of a call on `tensors`."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _pairs_readable(value: Tensor) -> bool:
+    """Whether a value's bfloat16 rows can be read as int32 pairs: an even head_dim, and data that
+    starts 4-byte aligned. PyTorch's allocators align every storage (the CUDA one to 512 bytes),
+    so the storage offset decides; data_ptr() is not asked, as under torch.compile the tensor is
+    a fake one whose data_ptr() means nothing."""
+    return value.dtype == torch.bfloat16 and value.shape[-1] % 2 == 0 and value.storage_offset() % 2 == 0
 
 
 def needs_int64(*tensors: Tensor) -> bool:
@@ -145,6 +162,8 @@ def forward_call(
         INDEX_64=needs_int64(value, sampling_locations, out),
         LEVEL_STARTS=level_start_index is not None,
         SOFTMAX=softmax,
+        PREFETCH=bool(config.prefetch),
+        BF16_PAIRS=bool(config.bf16_pairs) and _pairs_readable(value),
     )
     grid = (_cdiv(Q, constexprs["BLOCK_Q"]) * B * M,)
     starts = spatial_shapes if level_start_index is None else level_start_index  # unread if None

@@ -39,7 +39,7 @@ def pixel_cell(x, size, COMPUTE: tl.constexpr):
         frac = x_im - cell
     else:
         cell = tl.floor(tl.fma(x, size, -0.5))
-        residual = tl.fma(x, size, -(cell + 0.5))
+        residual = tl.fma(x, size, -0.5 - cell)  # -0.5 - cell is exact, and one FADD
         below = residual < 0.0
         cell = tl.where(below, cell - 1.0, cell)
         frac = tl.where(below, residual + 1.0, residual)
