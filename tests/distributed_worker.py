@@ -13,9 +13,10 @@ wrappers average them. Per shard, and wrapped and compiled alike, not plain eage
 batch: on CUDA a matrix product of another batch size, or other fused code, may round
 differently, and one ulp on a sampling offset can move a sample across a pixel border, where the
 location gradient jumps (2.4e-3 relative on the H200 against the whole batch, eager; 4.1e-4 for a
-compiled step against the eager one; 4.4e-4 to 5.4e-4 for compiled DDP on two H200s against the
-unwrapped model compiled, likely because DDP's compiler splits the graph at its gradient
-buckets, so its kernels fuse differently: not yet confirmed on GPUs with this reference). A rank exits non-zero on any mismatch; rank 0 writes the errors to --out.
+compiled step against the eager one). The compiled NCCL steps still miss: on two H200s 4.4e-4
+to 5.4e-4 (DDP) against the unwrapped model compiled, and 1.3e-3 (DDP and FSDP2) against this
+reference, on a sampling offset's weight (docs/correctness.md). A rank exits non-zero on any
+mismatch; rank 0 writes the errors to --out.
 """
 
 from __future__ import annotations
