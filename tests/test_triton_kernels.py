@@ -134,7 +134,7 @@ def test_bfloat16_pairs(head_dim, offset):
     outputs = []
     for pairs in (False, True):
         out = value.new_empty(shape.batch, shape.queries, shape.heads * head_dim)
-        tile = launch.TileConfig(block_q=4, groups=2, threads_per_row=0, bf16_pairs=pairs)
+        tile = launch.TileConfig(block_q=4, groups=2, threads_per_row=0, prefetch=True, bf16_pairs=pairs)
         grid, args, constexprs = launch.forward_call(value, shapes, starts, loc, attn, out, tile)
         assert constexprs["BF16_PAIRS"] == (pairs and head_dim % 2 == 0 and offset % 2 == 0)
         forward_kernel.msda_forward_kernel[grid](*args, **constexprs)

@@ -76,12 +76,14 @@ def forward_config(num_levels: int, num_points: int, head_dim: int, value_dtype:
     """The forward's launch rule (bench/NOTES.md, entries 13 and 25, have the sweeps behind it): a
     whole value row per load instruction (fewer threads per row issue fewer instructions but
     cost the L1 more wavefronts per byte), 16 queries, each level's points split in two groups.
-    Per dtype, from one A/B sweep on the H200: float32 loads each step's parameters a step ahead
-    (decoder -9%, encoder uniform -4%, local +1%); bfloat16 reads the value as int32 pairs, and
-    prefetches and unrolls the level loop where L * K <= 16 (-9 to -12% in every cell); float16
-    keeps the plain loop (both lost it 2-10% at the encoder)."""
+    Per dtype, from an A/B sweep on the H200: float32 loads each step's parameters a step ahead
+    (decoder -9%, encoder uniform -4%, local +1%); bfloat16 does too and reads the value as
+    int32 pairs (-6% at the encoder, -8% at the decoder); float16 keeps the plain loop (the
+    prefetch lost it 3-4% at the encoder). Unrolling the level loop as well won bfloat16 3-7% more
+    but compiled its forward in 2 to 6.5 s instead of 0.4 (at L * K <= 16, for sm_90 on a
+    two-core machine): a first call over the 5 s bound."""
     if value_dtype == torch.bfloat16:
-        return TileConfig(block_q=16, groups=2, threads_per_row=0, unroll_levels=16, prefetch=True, bf16_pairs=True)
+        return TileConfig(block_q=16, groups=2, threads_per_row=0, prefetch=True, bf16_pairs=True)
     if value_dtype == torch.float16:
         return TileConfig(block_q=16, groups=2, threads_per_row=0)
     return TileConfig(block_q=16, groups=2, threads_per_row=0, prefetch=True)
