@@ -55,8 +55,10 @@ DTYPES = {
 # The preset, and shapes that crashed triton 3.6 once (bench/NOTES.md entries 8, 10 and 12).
 QUICK_SHAPES = [(4, 4, 32), (3, 2, 24), (3, 3, 24), (1, 1, 64), (4, 2, 96)]
 FULL_SHAPES = [(L, K, D) for L in (1, 3, 4) for K in (1, 2, 4, 8) for D in (1, 3, 8, 24, 32, 48, 64, 96, 256)]
-# L * K = 128 both ways round, float32 and bfloat16 (its packed forward).
-TIMED_SHAPES = [(4, 32, 32), (8, 16, 32)]
+# L * K = 128 both ways round, float32 and bfloat16 (its packed forward); and 16 levels of one
+# point, the most loop steps a rule that unrolls the level loop at L * K <= 16 would unroll
+# (bfloat16's did for a while: 6.5 s here, bench/NOTES.md entry 23).
+TIMED_SHAPES = [(4, 32, 32), (8, 16, 32), (16, 1, 32)]
 COMPILE_SECONDS = 60.0
 TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
                 torch.int32: "i32", torch.int64: "i64"}
