@@ -80,8 +80,8 @@ def forward_config(num_levels: int, num_points: int, head_dim: int, value_dtype:
     (decoder -9%, encoder uniform -4%, local +1%); bfloat16 does too and reads the value as
     int32 pairs (-6% at the encoder, -8% at the decoder); float16 keeps the plain loop (the
     prefetch lost it 3-4% at the encoder). Unrolling the level loop as well won bfloat16 3-7% more
-    but compiled its forward in 2 to 6.5 s instead of 0.4 (at L * K <= 16, for sm_90 on a
-    two-core machine): a first call over the 5 s bound."""
+    but compiled its forward in 1.7 to 6.5 s instead of 0.2 to 0.6 (at L * K <= 16, for sm_90 on
+    a two-core machine): a first call likely over the 5 s bound."""
     if value_dtype == torch.bfloat16:
         return TileConfig(block_q=16, groups=2, threads_per_row=0, prefetch=True, bf16_pairs=True)
     if value_dtype == torch.float16:
