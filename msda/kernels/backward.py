@@ -80,6 +80,7 @@ def msda_backward_kernel(
         row_max, row_scale = softmax_stats(attn_ptr, first_param, q_ok, group, LK, GROUPS, UNROLL, COMPUTE)
         weighted_grad = tl.zeros([GROUPS, BLOCK_Q], dtype=COMPUTE)  # p * g, summed over the samples
 
+    ACCUMULATOR = grad_value_ptr.dtype.element_ty
     if FIXED_POINT:  # integer adds give the same sum in any order: bitwise deterministic
         fixed_point_scale = tl.load(fixed_point_scale_ptr)
     else:
@@ -122,7 +123,9 @@ def msda_backward_kernel(
                 dot_tl = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
                 tl.atomic_add(
                     grad_value_ptr + corner,
-                    _to_accumulator((a_top * (1.0 - fx))[:, :, None, None] * grad_out, fixed_point_scale, grad_value_ptr.dtype.element_ty, FIXED_POINT),
+                    _to_accumulator(
+                        (a_top * (1.0 - fx))[:, :, None, None] * grad_out, fixed_point_scale, ACCUMULATOR, FIXED_POINT
+                    ),
                     mask=(left & top)[:, :, None, None] & d_ok,
                     sem="relaxed",
                 )
@@ -130,7 +133,9 @@ def msda_backward_kernel(
                 dot_tr = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
                 tl.atomic_add(
                     grad_value_ptr + corner + ROW,
-                    _to_accumulator((a_top * fx)[:, :, None, None] * grad_out, fixed_point_scale, grad_value_ptr.dtype.element_ty, FIXED_POINT),
+                    _to_accumulator(
+                        (a_top * fx)[:, :, None, None] * grad_out, fixed_point_scale, ACCUMULATOR, FIXED_POINT
+                    ),
                     mask=(right & top)[:, :, None, None] & d_ok,
                     sem="relaxed",
                 )
@@ -138,7 +143,12 @@ def msda_backward_kernel(
                 dot_bl = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
                 tl.atomic_add(
                     grad_value_ptr + below,
-                    _to_accumulator((a_bottom * (1.0 - fx))[:, :, None, None] * grad_out, fixed_point_scale, grad_value_ptr.dtype.element_ty, FIXED_POINT),
+                    _to_accumulator(
+                        (a_bottom * (1.0 - fx))[:, :, None, None] * grad_out,
+                        fixed_point_scale,
+                        ACCUMULATOR,
+                        FIXED_POINT,
+                    ),
                     mask=(left & bottom)[:, :, None, None] & d_ok,
                     sem="relaxed",
                 )
@@ -146,7 +156,9 @@ def msda_backward_kernel(
                 dot_br = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
                 tl.atomic_add(
                     grad_value_ptr + below + ROW,
-                    _to_accumulator((a_bottom * fx)[:, :, None, None] * grad_out, fixed_point_scale, grad_value_ptr.dtype.element_ty, FIXED_POINT),
+                    _to_accumulator(
+                        (a_bottom * fx)[:, :, None, None] * grad_out, fixed_point_scale, ACCUMULATOR, FIXED_POINT
+                    ),
                     mask=(right & bottom)[:, :, None, None] & d_ok,
                     sem="relaxed",
                 )
@@ -226,8 +238,9 @@ def grad_value_accumulator_dtype(
 # added with integer atomics (associative: the same bits in any order), then converted back and
 # divided by 2**e. e is chosen per call, on the device (no synchronization), from a bound on
 # any element's sum: a value row is a corner of at most Q * L * K samples of its (batch, head)
-# (Q * K of its own level; L for levels that overlap, which only MSDA_VALIDATE rules out), each adding |attention weight * bilinear weight * grad_output| <=
-# max|attention weight| * max|grad_output|. So with that bound below 2**e0, e = 62 - e0 keeps every
+# (Q * K of its own level; L for levels that overlap, which only MSDA_VALIDATE rules out), each
+# adding |attention weight * bilinear weight * grad_output| <= max|attention weight| *
+# max|grad_output|. So with that bound below 2**e0, e = 62 - e0 keeps every
 # sum below 2**62 (no overflow) and each contribution's rounding below 2**-62 of the bound: at
 # the encoder preset (Q * L * K = 2**18.4) that is 2**-43 of the largest contribution, finer than
 # a float32 atomic add's rounding. A non-finite grad_output or weight makes the bound non-finite:
