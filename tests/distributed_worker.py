@@ -101,7 +101,7 @@ def main() -> int:
         # the device (and re-times some in every process), and the two models compile apart:
         # near-tied timings can give them other summation orders, so a sampling offset one ulp
         # apart and a sample across a pixel border, where the location gradient jumps. Its
-        # deterministic mode picks those by rule (torch >= 2.10). On CPU nothing is timed.
+        # deterministic mode picks those by rule (where this torch has it). On CPU nothing is timed.
         inductor_config.deterministic = True
 
     # A collective that one rank never reaches raises after this, rather than hanging.
