@@ -16,6 +16,10 @@ It also checks:
   functionalization does): it must name the outputs alone. Were it to name an input, compiled
   graphs would clone that input around every launch and copy the clone back over it
   (bench/NOTES.md, entry 9);
+- the warp shuffles of the forward's lane placement (`forward._from_lane`): they pass a value
+  from lane k of each segment of LANES consecutive lanes, so the tensor they act on must lay
+  its lane axis over exactly those lanes. Triton picks layouts itself; the check reads them
+  from the TTGIR, so that a release that picks another fails here and not with wrong results;
 - compile time: models with 8 levels or 8 points sit at L * K = 32 to 64, and a first call
   that compiles for a minute looks like a hang. Each kernel at L * K = 128 must compile within
   COMPILE_SECONDS here (a generous bound for a busy two-core machine; about 1 s on one core).
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import re
 import sys
 import time
 from types import SimpleNamespace
@@ -87,21 +92,58 @@ def kernel_calls(
     out = torch.zeros(B, Q, M * head_dim, dtype=value_dtype)
     grad_value = torch.zeros(value.shape, dtype=accumulator)
     scratch = torch.zeros(attn.shape, dtype=launch.softmax_scratch_dtype(value, loc, attn)) if softmax else None
-    calls = [
-        (msda_forward_kernel, *launch.forward_call(value, shapes, starts, loc, attn, out, softmax=softmax)[1:]),
-        (msda_backward_kernel, *launch.backward_call(
-            out, value, shapes, starts, loc, attn, grad_value, torch.zeros_like(loc), torch.zeros_like(attn),
-            softmax=softmax, scratch=scratch,
-        )[1:]),
-    ]  # fmt: skip
-    if fixed_point and dtype != "float64":
-        calls.append((msda_backward_kernel, *launch.backward_call(
-            out, value, shapes, starts, loc, attn, torch.zeros(value.shape, dtype=torch.int64), torch.zeros_like(loc),
-            torch.zeros_like(attn), softmax=softmax, scratch=scratch, fixed_point_scale=torch.ones(1),
-        )[1:]))  # fmt: skip
-    for _, _, constexprs in calls:
-        constexprs["INDEX_64"] = index_64
+    # The index width as a call on tensors past 2**31 elements would take it (the rule reads it).
+    needs_int64, launch.needs_int64 = launch.needs_int64, lambda *tensors: index_64
+    try:
+        calls = [
+            (msda_forward_kernel, *launch.forward_call(value, shapes, starts, loc, attn, out, softmax=softmax)[1:]),
+            (msda_backward_kernel, *launch.backward_call(
+                out, value, shapes, starts, loc, attn, grad_value, torch.zeros_like(loc), torch.zeros_like(attn),
+                softmax=softmax, scratch=scratch,
+            )[1:]),
+        ]  # fmt: skip
+        if fixed_point and dtype != "float64":
+            calls.append((msda_backward_kernel, *launch.backward_call(
+                out, value, shapes, starts, loc, attn, torch.zeros(value.shape, dtype=torch.int64),
+                torch.zeros_like(loc), torch.zeros_like(attn), softmax=softmax, scratch=scratch,
+                fixed_point_scale=torch.ones(1),
+            )[1:]))  # fmt: skip
+        if not calls[0][2]["LANE_PLACEMENT"]:  # the lane placement too, where it applies
+            lane_call = launch.forward_call(value, shapes, starts, loc, attn, out, LANE_TILE, softmax=softmax)
+            if lane_call[2]["LANE_PLACEMENT"] and not index_64:
+                calls.append((msda_forward_kernel, *lane_call[1:]))
+    finally:
+        launch.needs_int64 = needs_int64
     return calls
+
+
+LANE_TILE = launch.TileConfig(block_q=16, groups=2, threads_per_row=0, lane_placement=True)
+
+
+def shuffle_layout_errors(ttgir: str) -> list[str]:
+    """How the tensors of the forward's warp shuffles miss the layout they need: axis 0 (the lane
+    axis, of the segment's size) one element a thread, over the lowest lane bits of one warp."""
+    layouts = {}
+    for name, body in re.findall(r"^(#blocked\d*) = #ttg\.blocked<\{(.*)\}>", ttgir, re.M):
+        fields = re.findall(r"(\w+) = \[([\d, ]+)\]", body)
+        layouts[name] = {key: [int(v) for v in values.split(",")] for key, values in fields}
+    errors = []
+    for c, shape, layout in re.findall(
+        r'elementwise_inline_asm "shfl\.sync\.idx\.b32 [^"]*, (\d+), -1;".*?: tensor<([\dx]+)x\w+, (#\w+)>', ttgir
+    ):
+        segment, lanes = 32 - (int(c) >> 8), int(shape.split("x")[0])
+        if segment == lanes == 1:  # a thread's own value: no lanes to get wrong
+            continue
+        blocked = layouts.get(layout)
+        if blocked is None:
+            errors.append(f"a shuffle on {layout}, not a blocked layout")
+            continue
+        tpw, order = blocked["threadsPerWarp"], blocked["order"]
+        below = order[: order.index(0)]  # axes on lower lane bits than axis 0
+        if not (segment == lanes == tpw[0] and blocked["sizePerThread"][0] == 1 and blocked["warpsPerCTA"][0] == 1
+                and all(tpw[axis] == 1 for axis in below)):  # fmt: skip
+            errors.append(f"a shuffle of {segment}-lane segments on tensor<{shape}> in {blocked}")
+    return errors
 
 
 def signature(kernel, args: tuple, constexprs: dict) -> dict:
@@ -123,8 +165,13 @@ def compile_for_hopper(kernel, args: tuple, constexprs: dict, timed: bool = Fals
     start = time.perf_counter()
     with triton.knobs.compilation.scope():
         triton.knobs.compilation.always_compile = timed  # a cached kernel would time nothing
-        triton.compile(source, target=HOPPER, options={"num_warps": constexprs["num_warps"]})
-    return time.perf_counter() - start
+        compiled = triton.compile(source, target=HOPPER, options={"num_warps": constexprs["num_warps"]})
+    seconds = time.perf_counter() - start
+    if constexprs.get("LANE_PLACEMENT") and constexprs.get("SHUFFLE"):
+        errors = shuffle_layout_errors(compiled.asm["ttgir"])
+        if errors:
+            raise AssertionError(f"{len(errors)} warp shuffles in the wrong layout: {errors[0]}")
+    return seconds
 
 
 def written_arguments(kernel, args: tuple, constexprs: dict) -> list[str]:

@@ -146,3 +146,26 @@ def test_local_distribution():
     shape = Shape(batch=1, queries=28, heads=2, head_dim=4, levels=((4, 5), (2, 3), (1, 2)), points=2)
     assert shape.queries == shape.num_values  # an encoder: every pixel is a query
     check(make_inputs(shape, torch.float32, DEVICE, dist="local", seed=26))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim, points", [(6, 2), (16, 3), (32, 5)])
+def test_lane_placement(monkeypatch, dtype, head_dim, points):
+    """The forward whose threads each place one sample of their row and pass it to the row's other
+    threads (on a GPU by warp shuffles, here by the portable masked sum): rows of 1 to 8
+    threads, one to three rounds of samples with masked ones past L * K, masked queries (16 a
+    program: the tile must fill a warp); with the level sizes summed in the kernel it computes
+    the same bits."""
+    tile = launch.TileConfig(block_q=16, groups=2, threads_per_row=0, lane_placement=True)
+    monkeypatch.setattr(launch, "forward_config", lambda *args: tile)
+    shape = Shape(batch=2, queries=5, heads=2, head_dim=head_dim, levels=((5, 6), (3, 2), (1, 1)), points=points)
+    inputs = make_inputs(shape, dtype, DEVICE, outside_fraction=0.25, seed=70 + points)
+    grad_output = random_like_output(inputs)
+    outputs = forward_backward(inputs, grad_output)
+    assert_matches_reference(inputs, outputs, grad_output)
+    value, shapes, _, loc, attn = inputs.args()
+    summed = torch.empty_like(outputs[0])
+    grid, args, constexprs = launch.forward_call(value, shapes, None, loc, attn, summed)
+    assert constexprs["LANE_PLACEMENT"] and not constexprs["LEVEL_STARTS"]
+    forward_kernel.msda_forward_kernel[grid](*args, **constexprs)
+    torch.testing.assert_close(summed, outputs[0], rtol=0, atol=0)

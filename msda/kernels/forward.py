@@ -221,6 +221,106 @@ def _step(
     return acc, acc_high, start, row_max, row_sum, next_attn_a, next_xy_a, next_attn_b, next_xy_b
 
 
+@triton.jit
+def _from_lane(x, k: tl.constexpr, lane, SEGMENT: tl.constexpr, SHUFFLE: tl.constexpr):
+    """Each thread's copy of `x` as held by lane k of its row: `x` is [SEGMENT, GROUPS, BLOCK_Q, 1],
+    axis 0 laid over SEGMENT consecutive threads (the threads that read one value row) and `lane`
+    its index. SHUFFLE: one warp shuffle (PTX shfl.sync, 32-bit `x`); else (Triton's
+    interpreter, other GPUs) a masked sum over the axis, exact as every other term is 0."""
+    if SHUFFLE:
+        SEGMENTS: tl.constexpr = ((32 - SEGMENT) << 8) | 31  # shfl's c operand: SEGMENT-lane segments
+        return tl.inline_asm_elementwise(
+            f"shfl.sync.idx.b32 $0, $1, {k}, {SEGMENTS}, -1;", "=r,r", [x], dtype=x.dtype, is_pure=True, pack=1
+        )
+    else:
+        return tl.sum(tl.where(lane == k, x, 0), axis=0, keep_dims=True)
+
+
+@triton.jit
+def _lane_placed_samples(
+    value_ptr,
+    shapes_ptr,
+    starts_ptr,
+    loc_ptr,
+    attn_ptr,
+    b,
+    m,
+    q,
+    num_queries,
+    num_values,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_LEVELS: tl.constexpr,
+    NUM_POINTS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    LANES: tl.constexpr,
+    VECTOR: tl.constexpr,
+    LEVEL_STARTS: tl.constexpr,
+    SHUFFLE: tl.constexpr,
+):
+    """The weighed sum of every sample of each (group, query), [LANES, GROUPS, BLOCK_Q, VECTOR]
+    (channel lane * VECTOR + element), placing each sample once: the LANES threads that read a
+    value row each place one sample of their row's query, then take turns, every thread of the
+    row reading the corners of lane k's sample with its placement passed by `_from_lane`. The
+    other loop places every sample in each of the row's threads: most of its instructions
+    (bench/NOTES.md, entry 26). The lane axis comes first: Triton gives threads to the
+    contiguous element axis, then to the others in axis order, so the LANES threads of a row
+    are consecutive lanes of a warp, as the shuffle needs."""
+    SAMPLES: tl.constexpr = NUM_LEVELS * NUM_POINTS
+    ROUNDS: tl.constexpr = (SAMPLES + GROUPS * LANES - 1) // (GROUPS * LANES)
+    lane = tl.arange(0, LANES)[:, None, None, None]
+    group = tl.arange(0, GROUPS)[None, :, None, None]
+    channel = lane * VECTOR + tl.arange(0, VECTOR)[None, None, None, :]
+    d_ok = channel < HEAD_DIM
+    q = q[None, None, :, None]
+    first_param = ((b * num_queries + q) * NUM_HEADS + m) * SAMPLES  # [1, 1, BLOCK_Q, 1]
+    acc = tl.zeros([LANES, GROUPS, q.shape[2], VECTOR], dtype=tl.float32)
+    for r in tl.range(0, ROUNDS):
+        # Lane j of group g places sample g + GROUPS * (j + LANES * r): strided across the lanes,
+        # so that each thread loads its own parameters rather than a vector of its neighbours'.
+        sample = group + GROUPS * (lane + LANES * r)  # [LANES, GROUPS, 1, 1]
+        ok = (sample < SAMPLES) & (q < num_queries)
+        level = tl.where(sample < SAMPLES, sample // NUM_POINTS, 0)
+        h = tl.load(shapes_ptr + 2 * level).to(b.dtype)
+        w = tl.load(shapes_ptr + 2 * level + 1).to(b.dtype)
+        if LEVEL_STARTS:
+            start = tl.load(starts_ptr + level).to(b.dtype)
+        else:  # the sizes of the levels before
+            start = level * 0
+            for before in tl.static_range(NUM_LEVELS - 1):
+                size = tl.load(shapes_ptr + 2 * before).to(b.dtype) * tl.load(shapes_ptr + 2 * before + 1).to(b.dtype)
+                start += tl.where(before < level, size, 0)
+        param = first_param + sample
+        attn = finite_or_nan(tl.load(attn_ptr + param, mask=ok, other=0.0).to(tl.float32))
+        x = tl.load(loc_ptr + 2 * param, mask=ok, other=0.0)
+        y = tl.load(loc_ptr + 2 * param + 1, mask=ok, other=0.0)
+        usable = level_ok(h, w, start, num_values)
+        x0, y0, fx, fy, left, right, top, bottom = place_sample(x, y, h, w, usable, ok, tl.float32)
+        row = (b * num_values + start + y0 * w + x0) * NUM_HEADS + m  # the top-left corner's
+        below = row + w * NUM_HEADS
+        corners = (left & top).to(tl.int32) | ((right & top).to(tl.int32) << 1)
+        corners |= ((left & bottom).to(tl.int32) << 2) | ((right & bottom).to(tl.int32) << 3)
+        attn_top = attn * (1.0 - fy)
+        attn_bottom = attn * fy
+        w_tl = attn_top * (1.0 - fx)
+        w_tr = attn_top * fx
+        w_bl = attn_bottom * (1.0 - fx)
+        w_br = attn_bottom * fx
+        for k in tl.static_range(LANES):
+            top_row = _from_lane(row, k, lane, LANES, SHUFFLE) * HEAD_DIM + channel
+            bottom_row = _from_lane(below, k, lane, LANES, SHUFFLE) * HEAD_DIM + channel
+            inside = _from_lane(corners, k, lane, LANES, SHUFFLE)
+            v = tl.load(value_ptr + top_row, mask=((inside & 1) != 0) & d_ok, other=0.0)
+            acc += _from_lane(w_tl, k, lane, LANES, SHUFFLE) * v.to(tl.float32)
+            v = tl.load(value_ptr + top_row + NUM_HEADS * HEAD_DIM, mask=((inside & 2) != 0) & d_ok, other=0.0)
+            acc += _from_lane(w_tr, k, lane, LANES, SHUFFLE) * v.to(tl.float32)
+            v = tl.load(value_ptr + bottom_row, mask=((inside & 4) != 0) & d_ok, other=0.0)
+            acc += _from_lane(w_bl, k, lane, LANES, SHUFFLE) * v.to(tl.float32)
+            v = tl.load(value_ptr + bottom_row + NUM_HEADS * HEAD_DIM, mask=((inside & 8) != 0) & d_ok, other=0.0)
+            acc += _from_lane(w_br, k, lane, LANES, SHUFFLE) * v.to(tl.float32)
+    return acc
+
+
 # Q and S vary with the image: not specialized (16-divisibility would compile a second program).
 @triton.jit(do_not_specialize=["num_queries", "num_values"])
 def msda_forward_kernel(
@@ -248,6 +348,8 @@ def msda_forward_kernel(
     SOFTMAX: tl.constexpr,  # attn_ptr holds logits: weights are their softmax over the L * K samples
     PREFETCH: tl.constexpr,  # load each step's parameters one step ahead
     BF16_PAIRS: tl.constexpr,  # bfloat16 value read as int32 pairs (even HEAD_DIM): see _bf16_pairs
+    LANE_PLACEMENT: tl.constexpr,  # each sample placed by one thread of its row: _lane_placed_samples
+    SHUFFLE: tl.constexpr,  # with LANE_PLACEMENT: pass placements by warp shuffles (CUDA), see _from_lane
 ):
     # One program: BLOCK_Q queries of one (batch, head); neighbouring programs take the next
     # queries of the same head, so the programs that share an SM share that head's value rows
@@ -260,77 +362,95 @@ def msda_forward_kernel(
     b = bm // NUM_HEADS
     m = bm % NUM_HEADS
     q = (pid % num_q_blocks) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    q_ok = (q < num_queries)[None, :]
-    group = tl.arange(0, GROUPS)[:, None]
-
-    # The gathered tile is [GROUPS, BLOCK_Q, BLOCK_D // CHUNK, CHUNK]. Triton gives threads to the
-    # contiguous last axis (16 bytes each), then to the groups and queries, and leaves the chunk
-    # axis to each thread's registers: a row is read by CHUNK / vector threads, each holding
-    # BLOCK_D / CHUNK vectors of it.
-    # BF16_PAIRS reads the same rows as int32 pairs: CHUNK // 2 lanes a chunk (_gather_rows).
-    LANES: tl.constexpr = CHUNK // 2 if BF16_PAIRS else CHUNK
-    lanes = tl.arange(0, BLOCK_D // CHUNK)[:, None] * LANES + tl.arange(0, LANES)[None, :]
-    lanes = lanes[None, None, :, :]
-    first_param = ((b * num_queries + q[None, :]) * NUM_HEADS + m) * (NUM_LEVELS * NUM_POINTS)  # [1, BLOCK_Q]
-
-    # With SOFTMAX: each thread group's running max and sum of the logits it has weighed (an
-    # online softmax, one pass over the logits). The statistics of a separate first pass came out
-    # of their reduction in a layout Triton then converted the loop's tensors to and back through
-    # shared memory on every step (bench/NOTES.md entry 18); these stay in the loop's layout.
-    row_max = tl.full([GROUPS, BLOCK_Q], float("-inf"), COMPUTE)
-    row_sum = tl.zeros([GROUPS, BLOCK_Q], dtype=COMPUTE)
-
-    if BF16_PAIRS:  # the pairs' low and high elements (_gather_rows)
-        acc = tl.zeros([GROUPS, BLOCK_Q, BLOCK_D // CHUNK, CHUNK // 2], dtype=COMPUTE)
-        acc_high = tl.zeros([GROUPS, BLOCK_Q, BLOCK_D // CHUNK, CHUNK // 2], dtype=COMPUTE)
-    else:
-        acc = tl.zeros([GROUPS, BLOCK_Q, BLOCK_D // CHUNK, CHUNK], dtype=COMPUTE)
-        acc_high = tl.zeros([1], dtype=COMPUTE)  # unused
-    start = b * 0  # the level's first row, in the index dtype
-    # The first step's parameters (PREFETCH), else placeholders the steps pass along unread.
-    if PREFETCH:
-        attn_a, xy_a, attn_b, xy_b = _step_params(
-            0, loc_ptr, attn_ptr, first_param, q_ok, group, NUM_LEVELS, NUM_POINTS, GROUPS, UNROLL, SOFTMAX
+    out_row = (b * num_queries + q) * NUM_HEADS + m
+    if LANE_PLACEMENT:
+        tl.static_assert(CHUNK == BLOCK_D, "LANE_PLACEMENT reads a row with one load a thread")
+        VECTOR: tl.constexpr = 128 // value_ptr.dtype.element_ty.primitive_bitwidth  # elements in 16 bytes
+        LANES: tl.constexpr = CHUNK // VECTOR
+        acc = _lane_placed_samples(
+            value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr, b, m, q, num_queries, num_values, NUM_HEADS,
+            HEAD_DIM, NUM_LEVELS, NUM_POINTS, GROUPS, LANES, VECTOR, LEVEL_STARTS, SHUFFLE,
+        )  # fmt: skip
+        out = tl.sum(acc, axis=1)  # [LANES, BLOCK_Q, VECTOR]
+        out_channel = tl.arange(0, LANES)[:, None, None] * VECTOR + tl.arange(0, VECTOR)[None, None, :]
+        tl.store(
+            out_ptr + out_row[None, :, None] * HEAD_DIM + out_channel,
+            out.to(out_ptr.dtype.element_ty),
+            mask=(q < num_queries)[None, :, None] & (out_channel < HEAD_DIM),
         )
     else:
-        attn_a = tl.zeros([GROUPS, BLOCK_Q], dtype=attn_ptr.dtype.element_ty)
-        xy_a = tl.zeros([GROUPS, BLOCK_Q, 2], dtype=loc_ptr.dtype.element_ty)
-        attn_b, xy_b = attn_a, xy_a
-    # One loop over every level's steps, unrolled only where there are few samples in all:
-    # compile time grows with the unrolled samples.
-    TOTAL_STEPS: tl.constexpr = NUM_LEVELS * ((NUM_POINTS + GROUPS * UNROLL - 1) // (GROUPS * UNROLL))
-    if LEVELS_UNROLLED:
-        for step in tl.static_range(TOTAL_STEPS):
-            acc, acc_high, start, row_max, row_sum, attn_a, xy_a, attn_b, xy_b = _step(
-                step, acc, acc_high, start, row_max, row_sum, attn_a, xy_a, attn_b, xy_b, value_ptr, shapes_ptr,
-                starts_ptr, loc_ptr, attn_ptr, b, m, first_param, q_ok, group, lanes, num_values, NUM_HEADS, HEAD_DIM,
-                NUM_LEVELS, NUM_POINTS, GROUPS, UNROLL, COMPUTE, LEVEL_STARTS, SOFTMAX, PREFETCH, BF16_PAIRS,
-            )  # fmt: skip
-    else:
-        for step in tl.range(0, TOTAL_STEPS):
-            acc, acc_high, start, row_max, row_sum, attn_a, xy_a, attn_b, xy_b = _step(
-                step, acc, acc_high, start, row_max, row_sum, attn_a, xy_a, attn_b, xy_b, value_ptr, shapes_ptr,
-                starts_ptr, loc_ptr, attn_ptr, b, m, first_param, q_ok, group, lanes, num_values, NUM_HEADS, HEAD_DIM,
-                NUM_LEVELS, NUM_POINTS, GROUPS, UNROLL, COMPUTE, LEVEL_STARTS, SOFTMAX, PREFETCH, BF16_PAIRS,
-            )  # fmt: skip
+        q_ok = (q < num_queries)[None, :]
+        group = tl.arange(0, GROUPS)[:, None]
 
-    if SOFTMAX:  # the groups' sums brought to the query's largest logit, then normalized
-        largest = tl.max(row_max, axis=0, keep_dims=True)  # [1, BLOCK_Q]
-        # A group that saw only -inf adds 0 (no -inf - -inf); all -inf: 0 / 0 = NaN, as torch.softmax.
-        group_scale = tl.where(row_max == float("-inf"), 0.0, tl.exp(row_max - largest))
-        acc = acc * group_scale[:, :, None, None]
-        if BF16_PAIRS:
-            acc_high = acc_high * group_scale[:, :, None, None]
-        total = tl.sum(row_sum * group_scale, axis=0)  # [BLOCK_Q]
-    out = tl.sum(acc, axis=0)  # [BLOCK_Q, BLOCK_D // CHUNK, CHUNK]
-    if BF16_PAIRS:  # the pairs interleaved again
-        out = tl.reshape(tl.join(out, tl.sum(acc_high, axis=0)), [BLOCK_Q, BLOCK_D // CHUNK, CHUNK])
-    if SOFTMAX:
-        out = out / total[:, None, None]
-    out_row = (b * num_queries + q) * NUM_HEADS + m
-    out_channel = tl.arange(0, BLOCK_D // CHUNK)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
-    tl.store(
-        out_ptr + out_row[:, None, None] * HEAD_DIM + out_channel[None, :, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=(q < num_queries)[:, None, None] & (out_channel < HEAD_DIM)[None, :, :],
-    )
+        # The gathered tile is [GROUPS, BLOCK_Q, BLOCK_D // CHUNK, CHUNK]. Triton gives threads to the
+        # contiguous last axis (16 bytes each), then to the groups and queries, and leaves the chunk
+        # axis to each thread's registers: a row is read by CHUNK / vector threads, each holding
+        # BLOCK_D / CHUNK vectors of it.
+        # BF16_PAIRS reads the same rows as int32 pairs: CHUNK // 2 lanes a chunk (_gather_rows).
+        LANES: tl.constexpr = CHUNK // 2 if BF16_PAIRS else CHUNK
+        lanes = tl.arange(0, BLOCK_D // CHUNK)[:, None] * LANES + tl.arange(0, LANES)[None, :]
+        lanes = lanes[None, None, :, :]
+        first_param = ((b * num_queries + q[None, :]) * NUM_HEADS + m) * (NUM_LEVELS * NUM_POINTS)  # [1, BLOCK_Q]
+
+        # With SOFTMAX: each thread group's running max and sum of the logits it has weighed (an
+        # online softmax, one pass over the logits). The statistics of a separate first pass came out
+        # of their reduction in a layout Triton then converted the loop's tensors to and back through
+        # shared memory on every step (bench/NOTES.md entry 18); these stay in the loop's layout.
+        row_max = tl.full([GROUPS, BLOCK_Q], float("-inf"), COMPUTE)
+        row_sum = tl.zeros([GROUPS, BLOCK_Q], dtype=COMPUTE)
+
+        if BF16_PAIRS:  # the pairs' low and high elements (_gather_rows)
+            acc = tl.zeros([GROUPS, BLOCK_Q, BLOCK_D // CHUNK, CHUNK // 2], dtype=COMPUTE)
+            acc_high = tl.zeros([GROUPS, BLOCK_Q, BLOCK_D // CHUNK, CHUNK // 2], dtype=COMPUTE)
+        else:
+            acc = tl.zeros([GROUPS, BLOCK_Q, BLOCK_D // CHUNK, CHUNK], dtype=COMPUTE)
+            acc_high = tl.zeros([1], dtype=COMPUTE)  # unused
+        start = b * 0  # the level's first row, in the index dtype
+        # The first step's parameters (PREFETCH), else placeholders the steps pass along unread.
+        if PREFETCH:
+            attn_a, xy_a, attn_b, xy_b = _step_params(
+                0, loc_ptr, attn_ptr, first_param, q_ok, group, NUM_LEVELS, NUM_POINTS, GROUPS, UNROLL, SOFTMAX
+            )
+        else:
+            attn_a = tl.zeros([GROUPS, BLOCK_Q], dtype=attn_ptr.dtype.element_ty)
+            xy_a = tl.zeros([GROUPS, BLOCK_Q, 2], dtype=loc_ptr.dtype.element_ty)
+            attn_b, xy_b = attn_a, xy_a
+        # One loop over every level's steps, unrolled only where there are few samples in all:
+        # compile time grows with the unrolled samples.
+        TOTAL_STEPS: tl.constexpr = NUM_LEVELS * ((NUM_POINTS + GROUPS * UNROLL - 1) // (GROUPS * UNROLL))
+        if LEVELS_UNROLLED:
+            for step in tl.static_range(TOTAL_STEPS):
+                acc, acc_high, start, row_max, row_sum, attn_a, xy_a, attn_b, xy_b = _step(
+                    step, acc, acc_high, start, row_max, row_sum, attn_a, xy_a, attn_b, xy_b, value_ptr, shapes_ptr,
+                    starts_ptr, loc_ptr, attn_ptr, b, m, first_param, q_ok, group, lanes, num_values, NUM_HEADS,
+                    HEAD_DIM, NUM_LEVELS, NUM_POINTS, GROUPS, UNROLL, COMPUTE, LEVEL_STARTS, SOFTMAX, PREFETCH,
+                    BF16_PAIRS,
+                )  # fmt: skip
+        else:
+            for step in tl.range(0, TOTAL_STEPS):
+                acc, acc_high, start, row_max, row_sum, attn_a, xy_a, attn_b, xy_b = _step(
+                    step, acc, acc_high, start, row_max, row_sum, attn_a, xy_a, attn_b, xy_b, value_ptr, shapes_ptr,
+                    starts_ptr, loc_ptr, attn_ptr, b, m, first_param, q_ok, group, lanes, num_values, NUM_HEADS,
+                    HEAD_DIM, NUM_LEVELS, NUM_POINTS, GROUPS, UNROLL, COMPUTE, LEVEL_STARTS, SOFTMAX, PREFETCH,
+                    BF16_PAIRS,
+                )  # fmt: skip
+
+        if SOFTMAX:  # the groups' sums brought to the query's largest logit, then normalized
+            largest = tl.max(row_max, axis=0, keep_dims=True)  # [1, BLOCK_Q]
+            # A group that saw only -inf adds 0 (no -inf - -inf); all -inf: 0 / 0 = NaN, as torch.softmax.
+            group_scale = tl.where(row_max == float("-inf"), 0.0, tl.exp(row_max - largest))
+            acc = acc * group_scale[:, :, None, None]
+            if BF16_PAIRS:
+                acc_high = acc_high * group_scale[:, :, None, None]
+            total = tl.sum(row_sum * group_scale, axis=0)  # [BLOCK_Q]
+        out = tl.sum(acc, axis=0)  # [BLOCK_Q, BLOCK_D // CHUNK, CHUNK]
+        if BF16_PAIRS:  # the pairs interleaved again
+            out = tl.reshape(tl.join(out, tl.sum(acc_high, axis=0)), [BLOCK_Q, BLOCK_D // CHUNK, CHUNK])
+        if SOFTMAX:
+            out = out / total[:, None, None]
+        out_channel = tl.arange(0, BLOCK_D // CHUNK)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+        tl.store(
+            out_ptr + out_row[:, None, None] * HEAD_DIM + out_channel[None, :, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=(q < num_queries)[:, None, None] & (out_channel < HEAD_DIM)[None, :, :],
+        )

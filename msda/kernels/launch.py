@@ -10,6 +10,7 @@ program across image sizes. bench/tune.py passes its own settings instead.
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -47,6 +48,7 @@ class TileConfig(NamedTuple):
     unroll_levels: int = 0  # forward: unroll the level loop when L * K is at most this
     prefetch: bool = False  # forward: load each loop step's parameters one step ahead
     bf16_pairs: bool = False  # forward: read a bfloat16 value as int32 pairs (even head_dim)
+    lane_placement: bool = False  # forward: one thread of a row places each sample (`lane_placement`)
 
     @functools.lru_cache(maxsize=256)
     def constexprs(self, head_dim: int, element_size: int, num_points: int) -> dict:
@@ -73,15 +75,20 @@ class TileConfig(NamedTuple):
 
 
 def forward_config(num_levels: int, num_points: int, head_dim: int, value_dtype: torch.dtype) -> TileConfig:
-    """The forward's launch rule (bench/NOTES.md, entries 13 and 25, have the sweeps behind it): a
-    whole value row per load instruction (fewer threads per row issue fewer instructions but
-    cost the L1 more wavefronts per byte), 16 queries, each level's points split in two groups.
-    Per dtype, from an A/B sweep on the H200: float32 loads each step's parameters a step ahead
-    (decoder -9%, encoder uniform -4%, local +1%); bfloat16 does too and reads the value as
+    """The forward's launch rule (bench/NOTES.md, entries 13, 25 and 26, have the sweeps behind
+    it): a whole value row per load instruction (fewer threads per row issue fewer instructions
+    but cost the L1 more wavefronts per byte), 16 queries, each level's points split in two
+    groups. Per dtype, from an A/B sweep on the H200: float32 loads each step's parameters a step
+    ahead (decoder -9%, encoder uniform -4%, local +1%); bfloat16 does too and reads the value as
     int32 pairs (-6% at the encoder, -8% at the decoder); float16 keeps the plain loop (the
     prefetch lost it 3-4% at the encoder). Unrolling the level loop as well won bfloat16 3-7% more
     but compiled its forward in 1.7 to 6.5 s instead of 0.2 to 0.6 (at L * K <= 16, for sm_90 on
-    a two-core machine): a first call likely over the 5 s bound."""
+    a two-core machine): a first call likely over the 5 s bound.
+
+    `lane_placement` (entry 26) is faster still at the encoder, float32 -6 to -7% and bfloat16 -8
+    to -10% (and -14% at the decoder), but its first forward+backward call took 4.8 to 6.1 s on
+    the H200 host against 2.9 to 3.6 s for this rule (float32, L * K = 128): over the 5 s bound,
+    so not the rule yet."""
     if value_dtype == torch.bfloat16:
         return TileConfig(block_q=16, groups=2, threads_per_row=0, prefetch=True, bf16_pairs=True)
     if value_dtype == torch.float16:
@@ -119,6 +126,31 @@ def _pairs_readable(value: Tensor) -> bool:
     so the storage offset decides; data_ptr() is not asked, as under torch.compile the tensor is
     a fake one whose data_ptr() means nothing."""
     return value.dtype == torch.bfloat16 and value.shape[-1] % 2 == 0 and value.storage_offset() % 2 == 0
+
+
+def lane_placement(config: TileConfig, constexprs: dict, value: Tensor) -> bool:
+    """Whether the forward takes `forward._lane_placed_samples`: asked for, a row read with one
+    load a thread, float32 arithmetic (its shuffles pass 32-bit values), 32-bit indices, no
+    softmax, the points of each level in two or more groups (so that each thread's parameters
+    are not a vector of its neighbours', which Triton would load in another layout), and a tile
+    of at least a warp's threads: with fewer, Triton spreads a row's vector over more threads
+    and the shuffles' lanes are no longer the row's (scripts/compile_check.py checks the
+    layouts). Where it applies it takes precedence over a config's prefetch and int32 pairs."""
+    lanes = constexprs["CHUNK"] // max(1, 16 // value.element_size())
+    return (
+        config.lane_placement
+        and constexprs["CHUNK"] == constexprs["BLOCK_D"]
+        and constexprs["GROUPS"] >= 2
+        and constexprs["BLOCK_Q"] * constexprs["GROUPS"] * lanes >= 32
+        and constexprs["COMPUTE"] == tl.float32
+        and not (constexprs["INDEX_64"] or constexprs["SOFTMAX"])
+    )
+
+
+def warp_shuffles() -> bool:
+    """Whether the kernels may pass values between threads by PTX warp shuffles: on NVIDIA GPUs,
+    not in Triton's interpreter (CPU) or on ROCm (`forward._from_lane` has a portable form)."""
+    return os.environ.get("TRITON_INTERPRET") != "1" and torch.version.hip is None
 
 
 def needs_int64(*tensors: Tensor) -> bool:
@@ -165,8 +197,11 @@ def forward_call(
         LEVEL_STARTS=level_start_index is not None,
         SOFTMAX=softmax,
         PREFETCH=bool(config.prefetch),
-        BF16_PAIRS=bool(config.bf16_pairs) and _pairs_readable(value),
     )
+    # Where the lane placement does not apply, the config's other settings choose the loop.
+    constexprs.update(LANE_PLACEMENT=lane_placement(config, constexprs, value), SHUFFLE=warp_shuffles())
+    pairs = bool(config.bf16_pairs) and _pairs_readable(value) and not constexprs["LANE_PLACEMENT"]
+    constexprs.update(BF16_PAIRS=pairs)
     grid = (_cdiv(Q, constexprs["BLOCK_Q"]) * B * M,)
     starts = spatial_shapes if level_start_index is None else level_start_index  # unread if None
     args = (value, spatial_shapes, starts, sampling_locations, attention_weights, out, Q, S)
