@@ -101,24 +101,31 @@ def test_level_starts_summed_in_kernel():
     assert_matches_reference(inputs, outputs[1], grad_output)
 
 
-@pytest.mark.parametrize("points, groups", [(2, 1), (5, 2), (3, 4)])
-def test_prefetched_parameters(monkeypatch, points, groups):
-    """The forward with each step's parameters loaded a step ahead: one step a level (K = 2 in one
-    group of 2), two steps a level with a masked last point (K = 5 in 2 groups of 2), one point a
-    step (UNROLL 1); with level_start_index and with the level sizes summed in the kernel."""
-    tile = launch.TileConfig(block_q=4, groups=groups, threads_per_row=0, prefetch=True)
+def check_tile_with_levels_summed(monkeypatch, tile, inputs, constexpr):
+    """Forward and backward at the forward launch setting `tile` against the float64 oracle, then
+    the forward again with the level sizes summed in the kernel (no level_start_index): the same
+    bits. `constexpr` names the kernel flag the setting must turn on."""
     monkeypatch.setattr(launch, "forward_config", lambda *args: tile)
-    shape = Shape(batch=2, queries=5, heads=2, head_dim=6, levels=((5, 6), (3, 2), (1, 1)), points=points)
-    inputs = make_inputs(shape, torch.float32, DEVICE, outside_fraction=0.25, seed=50 + points)
     grad_output = random_like_output(inputs)
     outputs = forward_backward(inputs, grad_output)
     assert_matches_reference(inputs, outputs, grad_output)
     value, shapes, _, loc, attn = inputs.args()
     summed = torch.empty_like(outputs[0])
     grid, args, constexprs = launch.forward_call(value, shapes, None, loc, attn, summed)
-    assert constexprs["PREFETCH"] and not constexprs["LEVEL_STARTS"]
+    assert constexprs[constexpr] and not constexprs["LEVEL_STARTS"]
     forward_kernel.msda_forward_kernel[grid](*args, **constexprs)
     torch.testing.assert_close(summed, outputs[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("points, groups", [(2, 1), (5, 2), (3, 4)])
+def test_prefetched_parameters(monkeypatch, points, groups):
+    """The forward with each step's parameters loaded a step ahead: one step a level (K = 2 in one
+    group of 2), two steps a level with a masked last point (K = 5 in 2 groups of 2), one point a
+    step (UNROLL 1); with level_start_index and with the level sizes summed in the kernel."""
+    tile = launch.TileConfig(block_q=4, groups=groups, threads_per_row=0, prefetch=True)
+    shape = Shape(batch=2, queries=5, heads=2, head_dim=6, levels=((5, 6), (3, 2), (1, 1)), points=points)
+    inputs = make_inputs(shape, torch.float32, DEVICE, outside_fraction=0.25, seed=50 + points)
+    check_tile_with_levels_summed(monkeypatch, tile, inputs, "PREFETCH")
 
 
 @pytest.mark.parametrize("head_dim, offset", [(6, 0), (5, 0), (6, 1)])
@@ -157,15 +164,6 @@ def test_lane_placement(monkeypatch, dtype, head_dim, points):
     program: the tile must fill a warp); with the level sizes summed in the kernel it computes
     the same bits."""
     tile = launch.TileConfig(block_q=16, groups=2, threads_per_row=0, lane_placement=True)
-    monkeypatch.setattr(launch, "forward_config", lambda *args: tile)
     shape = Shape(batch=2, queries=5, heads=2, head_dim=head_dim, levels=((5, 6), (3, 2), (1, 1)), points=points)
     inputs = make_inputs(shape, dtype, DEVICE, outside_fraction=0.25, seed=70 + points)
-    grad_output = random_like_output(inputs)
-    outputs = forward_backward(inputs, grad_output)
-    assert_matches_reference(inputs, outputs, grad_output)
-    value, shapes, _, loc, attn = inputs.args()
-    summed = torch.empty_like(outputs[0])
-    grid, args, constexprs = launch.forward_call(value, shapes, None, loc, attn, summed)
-    assert constexprs["LANE_PLACEMENT"] and not constexprs["LEVEL_STARTS"]
-    forward_kernel.msda_forward_kernel[grid](*args, **constexprs)
-    torch.testing.assert_close(summed, outputs[0], rtol=0, atol=0)
+    check_tile_with_levels_summed(monkeypatch, tile, inputs, "LANE_PLACEMENT")
