@@ -10,6 +10,15 @@ through the same argument builders as the operator: nothing in msda is patched. 
 CUDA-graph replay of the kernel launches (the backward's zeroing of grad_value included), every
 variant's output checked against the float64 reference in the same run, and the peer deformops
 beside it when importable. bench/NOTES.md logs what the sweeps chose.
+
+--ncu launches each variant once between cudaProfilerStart and cudaProfilerStop instead of
+timing it, for Nsight Compute's counters (bench/NOTES.md entry 26 read these):
+
+    ncu --profile-from-start off --clock-control none -k regex:msda --csv --page details \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+        --section Occupancy --section SchedulerStats \
+        --metrics smsp__inst_executed.sum,lts__t_sectors_srcunit_tex.sum,l1tex__t_sector_hit_rate.pct \
+        python -m bench.tune --ncu --kernels fwd --presets encoder --dtypes float32 --forward 16,2,0,0,1
 """
 
 from __future__ import annotations
@@ -58,6 +67,24 @@ def backward_launch(inputs, grad_output, tile: launch.TileConfig, accumulator: t
     return run, grads
 
 
+def profile_once(inputs, opts, dtype: torch.dtype) -> None:
+    """Each forward and backward variant launched once inside cudaProfilerStart/Stop (after a
+    launch outside it that compiles), for ncu --profile-from-start off."""
+    runs = [forward_launch(inputs, tile)[0] for tile in opts.forward] if "fwd" in opts.kernels else []
+    if "bwd" in opts.kernels:
+        B, Q, M, D = inputs.value.shape[0], inputs.sampling_locations.shape[1], *inputs.value.shape[2:]
+        grad = torch.randn(B, Q, M * D, device="cuda").to(dtype)
+        runs += [backward_launch(inputs, grad, tile)[0] for tile in opts.backward]
+    for run in runs:
+        run()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for run in runs:
+        run()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
 def _tiles(text: str) -> launch.TileConfig:
     return T(*(int(n) for n in text.split(",")))
 
@@ -74,6 +101,7 @@ def main() -> None:
     parser.add_argument("--kernels", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     parser.add_argument("--forward", nargs="+", type=_tiles, default=FORWARD_SWEEP, metavar="Q,G,T[,U[,P[,B[,L]]]]")
     parser.add_argument("--backward", nargs="+", type=_tiles, default=BACKWARD_SWEEP, metavar="Q,G,T")
+    parser.add_argument("--ncu", action="store_true", help="launch each variant once for ncu, time nothing")
     parser.add_argument("--float32-params", action="store_true",
                         help="float32 locations and weights with half-precision values (default: the "
                              "value's dtype, as the bench and most models; NOTES entry 25)")  # fmt: skip
@@ -92,7 +120,9 @@ def main() -> None:
                 loc_dtype = torch.float32 if opts.float32_params else dtype
                 inputs = make_inputs(PRESETS[preset], dtype, "cuda", loc_dtype=loc_dtype, dist=dist, seed=3)
                 cell = f"{preset} {dist} {dtype_name}"
-                if "fwd" in opts.kernels:
+                if opts.ncu:
+                    profile_once(inputs, opts, dtype)
+                elif "fwd" in opts.kernels:
                     expected = reference(inputs.value, inputs.spatial_shapes, inputs.sampling_locations,
                                          inputs.attention_weights)  # fmt: skip
                     line = []
@@ -104,7 +134,7 @@ def main() -> None:
                         args = [a.to(dtype) if a.is_floating_point() else a for a in inputs.args()]
                         line.append(f"deformops: {graph_device_time(lambda: peer(*args)).median_us:.1f}")
                     print(f"fwd {cell} | " + "  ".join(line), flush=True)
-                if "bwd" in opts.kernels:
+                if "bwd" in opts.kernels and not opts.ncu:
                     Q, M, D = PRESETS[preset].queries, PRESETS[preset].heads, PRESETS[preset].head_dim
                     grad = torch.randn(inputs.value.shape[0], Q, M * D, device="cuda").to(dtype)
                     expected = reference_with_grads(inputs, grad)[1:]

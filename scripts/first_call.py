@@ -1,10 +1,13 @@
 """Time the first forward + backward call of a process (Triton compiles included) for one (L, K).
 
-    python scripts/first_call.py L K [--dtype float32] [--head-dim 32]
+    python scripts/first_call.py L K [--dtype float32] [--head-dim 32] [--forward-tile Q,G,T,...]
 
 Run it with an empty Triton cache (TRITON_CACHE_DIR pointing at a new directory) so the kernels
 compile: prints the seconds of the first call, of a second call, and since the interpreter started.
-bench/NOTES.md (entry 16) has the numbers; the bound a first call must stay under is 5 s.
+bench/NOTES.md (entries 16 and 26) has the numbers; the bound a first call must stay under is 5 s.
+--forward-tile launches the forward at those settings instead of the rule's (the fields of
+msda.kernels.launch.TileConfig, as bench.tune takes them): to weigh a candidate rule's compile time.
+The host's timings move by a third between processes: alternate the candidates in one session.
 """
 
 from __future__ import annotations
@@ -28,7 +31,13 @@ def main() -> None:
     parser.add_argument("points", type=int)
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
     parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--forward-tile", metavar="Q,G,T[,...]", help="TileConfig fields for the forward")
     opts = parser.parse_args()
+    if opts.forward_tile:
+        from msda.kernels import launch
+
+        tile = launch.TileConfig(*(int(n) for n in opts.forward_tile.split(",")))
+        launch.forward_config = lambda *args: tile
     sizes = [(64, 64), (32, 32), (16, 16), (8, 8), (4, 4), (2, 2), (1, 1), (1, 1)]
     shape = Shape(batch=2, queries=300, heads=8, head_dim=opts.head_dim, levels=tuple(sizes[: opts.levels]),
                   points=opts.points)  # fmt: skip
@@ -41,8 +50,9 @@ def main() -> None:
         out.float().sum().backward()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    print(f"L={opts.levels} K={opts.points} {opts.dtype}: first forward+backward {times[0]:.2f} s, "
-          f"second {times[1] * 1e3:.1f} ms, since start {time.perf_counter() - START:.1f} s")  # fmt: skip
+    print(f"L={opts.levels} K={opts.points} {opts.dtype} {opts.forward_tile or 'rule'}: "
+          f"first forward+backward {times[0]:.2f} s, second {times[1] * 1e3:.1f} ms, "
+          f"since start {time.perf_counter() - START:.1f} s")  # fmt: skip
 
 
 if __name__ == "__main__":
