@@ -110,7 +110,7 @@ def kernel_calls(
             )[1:]))  # fmt: skip
         if not calls[0][2]["LANE_PLACEMENT"]:  # the lane placement too, where it applies
             lane_call = launch.forward_call(value, shapes, starts, loc, attn, out, LANE_TILE, softmax=softmax)
-            if lane_call[2]["LANE_PLACEMENT"] and not index_64:
+            if lane_call[2]["LANE_PLACEMENT"]:
                 calls.append((msda_forward_kernel, *lane_call[1:]))
     finally:
         launch.needs_int64 = needs_int64

@@ -147,10 +147,10 @@ def lane_placement(config: TileConfig, constexprs: dict, value: Tensor) -> bool:
     )
 
 
-def warp_shuffles() -> bool:
-    """Whether the kernels may pass values between threads by PTX warp shuffles: on NVIDIA GPUs,
-    not in Triton's interpreter (CPU) or on ROCm (`forward._from_lane` has a portable form)."""
-    return os.environ.get("TRITON_INTERPRET") != "1" and torch.version.hip is None
+# Whether the kernels may pass values between threads by PTX warp shuffles: on NVIDIA GPUs, not
+# in Triton's interpreter (CPU) or on ROCm (`forward._from_lane` has a portable form). Read once,
+# as Triton itself decides at import whether its kernels are interpreted.
+WARP_SHUFFLES = os.environ.get("TRITON_INTERPRET") != "1" and torch.version.hip is None
 
 
 def needs_int64(*tensors: Tensor) -> bool:
@@ -199,9 +199,8 @@ def forward_call(
         PREFETCH=bool(config.prefetch),
     )
     # Where the lane placement does not apply, the config's other settings choose the loop.
-    constexprs.update(LANE_PLACEMENT=lane_placement(config, constexprs, value), SHUFFLE=warp_shuffles())
-    pairs = bool(config.bf16_pairs) and _pairs_readable(value) and not constexprs["LANE_PLACEMENT"]
-    constexprs.update(BF16_PAIRS=pairs)
+    constexprs.update(LANE_PLACEMENT=lane_placement(config, constexprs, value), SHUFFLE=WARP_SHUFFLES)
+    constexprs["BF16_PAIRS"] = bool(config.bf16_pairs) and _pairs_readable(value) and not constexprs["LANE_PLACEMENT"]
     grid = (_cdiv(Q, constexprs["BLOCK_Q"]) * B * M,)
     starts = spatial_shapes if level_start_index is None else level_start_index  # unread if None
     args = (value, spatial_shapes, starts, sampling_locations, attention_weights, out, Q, S)
