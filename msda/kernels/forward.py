@@ -222,7 +222,7 @@ def _step(
 
 
 @triton.jit
-def _from_lane(x, k: tl.constexpr, lane, SEGMENT: tl.constexpr, SHUFFLE: tl.constexpr):
+def _from_lane(x, k, lane, SEGMENT: tl.constexpr, SHUFFLE: tl.constexpr):
     """Each thread's copy of `x` as held by lane k of its row: `x` is [SEGMENT, GROUPS, BLOCK_Q, 1],
     axis 0 laid over SEGMENT consecutive threads (the threads that read one value row) and `lane`
     its index. SHUFFLE: one warp shuffle (PTX shfl.sync, 32-bit `x`); else (Triton's
@@ -230,7 +230,8 @@ def _from_lane(x, k: tl.constexpr, lane, SEGMENT: tl.constexpr, SHUFFLE: tl.cons
     if SHUFFLE:
         SEGMENTS: tl.constexpr = ((32 - SEGMENT) << 8) | 31  # shfl's c operand: SEGMENT-lane segments
         return tl.inline_asm_elementwise(
-            f"shfl.sync.idx.b32 $0, $1, {k}, {SEGMENTS}, -1;", "=r,r", [x], dtype=x.dtype, is_pure=True, pack=1
+            f"shfl.sync.idx.b32 $0, $1, $2, {SEGMENTS}, -1;", "=r,r,r", [x, lane * 0 + k], dtype=x.dtype, is_pure=True,
+            pack=1,
         )
     else:
         return tl.sum(tl.where(lane == k, x, 0), axis=0, keep_dims=True)
@@ -306,7 +307,7 @@ def _lane_placed_samples(
         w_tr = attn_top * fx
         w_bl = attn_bottom * (1.0 - fx)
         w_br = attn_bottom * fx
-        for k in tl.static_range(LANES):
+        for k in tl.range(0, LANES):  # a loop: unrolled, its first call compiled over 5 s (entry 26)
             top_row = _from_lane(row, k, lane, LANES, SHUFFLE) * HEAD_DIM + channel
             bottom_row = _from_lane(below, k, lane, LANES, SHUFFLE) * HEAD_DIM + channel
             inside = _from_lane(corners, k, lane, LANES, SHUFFLE)

@@ -89,11 +89,10 @@ def forward_config(num_levels: int, num_points: int, head_dim: int, value_dtype:
     to -10% (and -14% at the decoder), but its first forward+backward call took 4.8 to 6.1 s on
     the H200 host against 2.9 to 3.6 s for this rule (float32, L * K = 128): over the 5 s bound,
     so not the rule yet."""
-    if value_dtype == torch.bfloat16:
-        return TileConfig(block_q=16, groups=2, threads_per_row=0, prefetch=True, bf16_pairs=True)
     if value_dtype == torch.float16:
         return TileConfig(block_q=16, groups=2, threads_per_row=0)
-    return TileConfig(block_q=16, groups=2, threads_per_row=0, prefetch=True)
+    pairs = value_dtype == torch.bfloat16  # where the lane placement does not apply
+    return TileConfig(block_q=16, groups=2, threads_per_row=0, prefetch=True, bf16_pairs=pairs, lane_placement=True)
 
 
 def backward_config(num_levels: int, num_points: int, head_dim: int, value_dtype: torch.dtype) -> TileConfig:
