@@ -5,8 +5,8 @@
                          [--forward 16,2,0 8,2,0 ...] [--backward 4,4,0 ...] [--float32-params]
 
 Each variant is a msda.kernels.launch.TileConfig (block_q,groups,threads_per_row[,unroll_levels
-[,prefetch[,bf16_pairs[,lane_placement[,lane_unroll]]]]]; threads_per_row 0 reads a whole row per
-load), launched explicitly
+[,prefetch[,bf16_pairs[,lane_placement[,lane_unroll[,lane_stages]]]]]]; threads_per_row 0 reads a
+whole row per load), launched explicitly
 through the same argument builders as the operator: nothing in msda is patched. Device time by
 CUDA-graph replay of the kernel launches (the backward's zeroing of grad_value included), every
 variant's output checked against the float64 reference in the same run, and the peer deformops
@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--dists", nargs="+", default=["uniform"], choices=DISTS)
     parser.add_argument("--kernels", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
-    parser.add_argument("--forward", nargs="+", type=_tiles, default=FORWARD_SWEEP, metavar="Q,G,T[,U[,P[,B[,L[,N]]]]]")
+    parser.add_argument("--forward", nargs="+", type=_tiles, default=FORWARD_SWEEP, metavar="Q,G,T[,U[,P[,B[,L[,N[,S]]]]]]")
     parser.add_argument("--backward", nargs="+", type=_tiles, default=BACKWARD_SWEEP, metavar="Q,G,T")
     parser.add_argument("--ncu", action="store_true", help="launch each variant once for ncu, time nothing")
     parser.add_argument("--float32-params", action="store_true",

@@ -50,6 +50,7 @@ class TileConfig(NamedTuple):
     bf16_pairs: bool = False  # forward: read a bfloat16 value as int32 pairs (even head_dim)
     lane_placement: bool = False  # forward: one thread of a row places each sample (`lane_placement`)
     lane_unroll: int = 1  # forward, lane placement: the row's turns unrolled this many at a time
+    lane_stages: int = 1  # forward, lane placement: pipeline stages of the turns' gathers (cp.async)
 
     @functools.lru_cache(maxsize=256)
     def constexprs(self, head_dim: int, element_size: int, num_points: int) -> dict:
@@ -200,7 +201,7 @@ def forward_call(
     )
     # Where the lane placement does not apply, the config's other settings choose the loop.
     constexprs.update(LANE_PLACEMENT=lane_placement(config, constexprs, value), SHUFFLE=WARP_SHUFFLES)
-    constexprs.update(LANE_UNROLL=max(1, int(config.lane_unroll)))
+    constexprs.update(LANE_UNROLL=max(1, int(config.lane_unroll)), LANE_STAGES=max(1, int(config.lane_stages)))
     constexprs["BF16_PAIRS"] = bool(config.bf16_pairs) and _pairs_readable(value) and not constexprs["LANE_PLACEMENT"]
     grid = (_cdiv(Q, constexprs["BLOCK_Q"]) * B * M,)
     starts = spatial_shapes if level_start_index is None else level_start_index  # unread if None
