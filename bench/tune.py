@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--dists", nargs="+", default=["uniform"], choices=DISTS)
     parser.add_argument("--kernels", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
-    parser.add_argument("--forward", nargs="+", type=_tiles, default=FORWARD_SWEEP, metavar="Q,G,T[,U[,P[,B[,L[,N[,S]]]]]]")
+    parser.add_argument("--forward", nargs="+", type=_tiles, default=FORWARD_SWEEP, metavar="Q,G,T[,...]")
     parser.add_argument("--backward", nargs="+", type=_tiles, default=BACKWARD_SWEEP, metavar="Q,G,T")
     parser.add_argument("--ncu", action="store_true", help="launch each variant once for ncu, time nothing")
     parser.add_argument("--float32-params", action="store_true",
