@@ -108,16 +108,9 @@ def kernel_calls(
                 torch.zeros_like(loc), torch.zeros_like(attn), softmax=softmax, scratch=scratch,
                 fixed_point_scale=torch.ones(1),
             )[1:]))  # fmt: skip
-        if not calls[0][2]["LANE_PLACEMENT"]:  # the lane placement too, where it applies
-            lane_call = launch.forward_call(value, shapes, starts, loc, attn, out, LANE_TILE, softmax=softmax)
-            if lane_call[2]["LANE_PLACEMENT"]:
-                calls.append((msda_forward_kernel, *lane_call[1:]))
     finally:
         launch.needs_int64 = needs_int64
     return calls
-
-
-LANE_TILE = launch.TileConfig(block_q=16, groups=2, threads_per_row=0, lane_placement=True)
 
 
 def shuffle_layout_errors(ttgir: str) -> list[str]:

@@ -162,8 +162,9 @@ def test_lane_placement(monkeypatch, dtype, head_dim, points):
     threads (on a GPU by warp shuffles, here by the portable masked sum): rows of 1 to 8
     threads, one to three rounds of samples with masked ones past L * K, masked queries (16 a
     program: the tile must fill a warp); with the level sizes summed in the kernel it computes
-    the same bits."""
-    tile = launch.TileConfig(block_q=16, groups=2, threads_per_row=0, lane_placement=True)
+    the same bits. The row's turns unrolled two at a time, as the launch rule does: one turn of a
+    one-thread row leaves the unrolled loop a remainder."""
+    tile = launch.TileConfig(block_q=16, groups=2, threads_per_row=0, lane_placement=True, lane_unroll=2)
     shape = Shape(batch=2, queries=5, heads=2, head_dim=head_dim, levels=((5, 6), (3, 2), (1, 1)), points=points)
     inputs = make_inputs(shape, dtype, DEVICE, outside_fraction=0.25, seed=70 + points)
     check_tile_with_levels_summed(monkeypatch, tile, inputs, "LANE_PLACEMENT")

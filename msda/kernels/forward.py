@@ -259,7 +259,6 @@ def _lane_placed_samples(
     LEVEL_STARTS: tl.constexpr,
     SHUFFLE: tl.constexpr,
     LANE_UNROLL: tl.constexpr,
-    LANE_STAGES: tl.constexpr,
 ):
     """The weighed sum of every sample of each (group, query), [LANES, GROUPS, BLOCK_Q, VECTOR]
     (channel lane * VECTOR + element), placing each sample once: the LANES threads that read a
@@ -309,9 +308,9 @@ def _lane_placed_samples(
         w_tr = attn_top * fx
         w_bl = attn_bottom * (1.0 - fx)
         w_br = attn_bottom * fx
-        # A loop (fully unrolled, the first call took over 5 s: entry 26), LANE_UNROLL sub-steps a
-        # turn; LANE_STAGES > 1 has Triton pipeline the gathers through shared memory (cp.async).
-        for k in tl.range(0, LANES, num_stages=LANE_STAGES, loop_unroll_factor=LANE_UNROLL):
+        # A loop, LANE_UNROLL sub-steps a turn: fully unrolled, the first call took over 5 s
+        # (bench/NOTES.md entry 26); as a loop it runs as fast (entry 27).
+        for k in tl.range(0, LANES, loop_unroll_factor=LANE_UNROLL):
             top_row = _from_lane(row, k, lane, LANES, SHUFFLE) * HEAD_DIM + channel
             bottom_row = _from_lane(below, k, lane, LANES, SHUFFLE) * HEAD_DIM + channel
             inside = _from_lane(corners, k, lane, LANES, SHUFFLE)
@@ -356,7 +355,6 @@ def msda_forward_kernel(
     LANE_PLACEMENT: tl.constexpr,  # each sample placed by one thread of its row: _lane_placed_samples
     SHUFFLE: tl.constexpr,  # with LANE_PLACEMENT: pass placements by warp shuffles (CUDA), see _from_lane
     LANE_UNROLL: tl.constexpr,  # with LANE_PLACEMENT: the row's turns unrolled this many at a time
-    LANE_STAGES: tl.constexpr,  # with LANE_PLACEMENT: software-pipeline stages of the row's turns
 ):
     # One program: BLOCK_Q queries of one (batch, head); neighbouring programs take the next
     # queries of the same head, so the programs that share an SM share that head's value rows
@@ -377,7 +375,6 @@ def msda_forward_kernel(
         acc = _lane_placed_samples(
             value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr, b, m, q, num_queries, num_values, NUM_HEADS,
             HEAD_DIM, NUM_LEVELS, NUM_POINTS, GROUPS, LANES, VECTOR, LEVEL_STARTS, SHUFFLE, LANE_UNROLL,
-            LANE_STAGES,
         )  # fmt: skip
         out = tl.sum(acc, axis=1)  # [LANES, BLOCK_Q, VECTOR]
         out_channel = tl.arange(0, LANES)[:, None, None] * VECTOR + tl.arange(0, VECTOR)[None, None, :]

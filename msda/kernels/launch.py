@@ -50,7 +50,6 @@ class TileConfig(NamedTuple):
     bf16_pairs: bool = False  # forward: read a bfloat16 value as int32 pairs (even head_dim)
     lane_placement: bool = False  # forward: one thread of a row places each sample (`lane_placement`)
     lane_unroll: int = 1  # forward, lane placement: the row's turns unrolled this many at a time
-    lane_stages: int = 1  # forward, lane placement: pipeline stages of the turns' gathers (cp.async)
 
     @functools.lru_cache(maxsize=256)
     def constexprs(self, head_dim: int, element_size: int, num_points: int) -> dict:
@@ -77,24 +76,28 @@ class TileConfig(NamedTuple):
 
 
 def forward_config(num_levels: int, num_points: int, head_dim: int, value_dtype: torch.dtype) -> TileConfig:
-    """The forward's launch rule (bench/NOTES.md, entries 13, 25 and 26, have the sweeps behind
+    """The forward's launch rule (bench/NOTES.md, entries 13, 25, 26 and 27, have the sweeps behind
     it): a whole value row per load instruction (fewer threads per row issue fewer instructions
     but cost the L1 more wavefronts per byte), 16 queries, each level's points split in two
-    groups. Per dtype, from an A/B sweep on the H200: float32 loads each step's parameters a step
-    ahead (decoder -9%, encoder uniform -4%, local +1%); bfloat16 does too and reads the value as
-    int32 pairs (-6% at the encoder, -8% at the decoder); float16 keeps the plain loop (the
-    prefetch lost it 3-4% at the encoder). Unrolling the level loop as well won bfloat16 3-7% more
-    but compiled its forward in 1.7 to 6.5 s instead of 0.2 to 0.6 (at L * K <= 16, for sm_90 on
-    a two-core machine): a first call likely over the 5 s bound.
+    groups, and each sample placed once, by one thread of its row, the row's threads taking the
+    samples in turns of two (`lane_placement`; on the H200 against the rule before it, encoder
+    float32 -7%, bfloat16 -9%, float16 -2 to -4%; the decoder within 0.5 us either way but float16
+    +0.9 us; first forward+backward call 2.6-2.9 s at L * K = 128, fully unrolled turns 3.9-6.1).
 
-    `lane_placement` (entry 26) is faster still at the encoder, float32 -6 to -7% and bfloat16 -8
-    to -10% (and -14% at the decoder), but its first forward+backward call took 4.8 to 6.1 s on
-    the H200 host against 2.9 to 3.6 s for this rule (float32, L * K = 128): over the 5 s bound,
-    so not the rule yet."""
-    if value_dtype == torch.float16:
-        return TileConfig(block_q=16, groups=2, threads_per_row=0)
-    pairs = value_dtype == torch.bfloat16  # where the lane placement does not apply
-    return TileConfig(block_q=16, groups=2, threads_per_row=0, prefetch=True, bf16_pairs=pairs, lane_placement=True)
+    Where the lane placement does not apply (float64, 64-bit indices, narrow tiles), the loop of
+    entry 25: float32 loads each step's parameters a step ahead, bfloat16 does too and reads the
+    value as int32 pairs, float16 keeps the plain loop (the prefetch lost it 3-4% at the encoder).
+    Unrolling the level loop as well compiled in 1.7 to 6.5 s instead of 0.2 to 0.6 s: not taken."""
+    half = value_dtype == torch.float16
+    return TileConfig(
+        block_q=16,
+        groups=2,
+        threads_per_row=0,
+        prefetch=not half,
+        bf16_pairs=value_dtype == torch.bfloat16,
+        lane_placement=True,
+        lane_unroll=2,
+    )
 
 
 def backward_config(num_levels: int, num_points: int, head_dim: int, value_dtype: torch.dtype) -> TileConfig:
@@ -201,7 +204,7 @@ def forward_call(
     )
     # Where the lane placement does not apply, the config's other settings choose the loop.
     constexprs.update(LANE_PLACEMENT=lane_placement(config, constexprs, value), SHUFFLE=WARP_SHUFFLES)
-    constexprs.update(LANE_UNROLL=max(1, int(config.lane_unroll)), LANE_STAGES=max(1, int(config.lane_stages)))
+    constexprs["LANE_UNROLL"] = max(1, int(config.lane_unroll))
     constexprs["BF16_PAIRS"] = bool(config.bf16_pairs) and _pairs_readable(value) and not constexprs["LANE_PLACEMENT"]
     grid = (_cdiv(Q, constexprs["BLOCK_Q"]) * B * M,)
     starts = spatial_shapes if level_start_index is None else level_start_index  # unread if None
