@@ -160,7 +160,8 @@ def test_local_distribution():
 def test_lane_placement(monkeypatch, dtype, head_dim, points):
     """The forward whose threads each place one sample of their row and pass it to the row's other
     threads (on a GPU by warp shuffles, here by the portable masked sum): rows of 1 to 8
-    threads, one to three rounds of samples with masked ones past L * K, masked queries (16 a
+    threads, one to three rounds of samples with masked ones past L * K, fewer turns than a row
+    has threads where a group has fewer samples (D = 32 in float32), masked queries (16 a
     program: the tile must fill a warp); with the level sizes summed in the kernel it computes
     the same bits. The row's turns unrolled two at a time, as the launch rule does: one turn of a
     one-thread row leaves the unrolled loop a remainder."""

@@ -270,6 +270,9 @@ def _lane_placed_samples(
     are consecutive lanes of a warp, as the shuffle needs."""
     SAMPLES: tl.constexpr = NUM_LEVELS * NUM_POINTS
     ROUNDS: tl.constexpr = (SAMPLES + GROUPS * LANES - 1) // (GROUPS * LANES)
+    # Turns a round: fewer than LANES where a group has fewer samples than its row has threads
+    # (4 groups of 4 samples at float32's 8 lanes), so no turn reads only masked corners.
+    TURNS: tl.constexpr = min(LANES, (SAMPLES + GROUPS - 1) // GROUPS)
     lane = tl.arange(0, LANES)[:, None, None, None]
     group = tl.arange(0, GROUPS)[None, :, None, None]
     channel = lane * VECTOR + tl.arange(0, VECTOR)[None, None, None, :]
@@ -310,7 +313,7 @@ def _lane_placed_samples(
         w_br = attn_bottom * fx
         # A loop, LANE_UNROLL sub-steps a turn: fully unrolled, the first call took over 5 s
         # (bench/NOTES.md entry 26); as a loop it runs as fast (entry 27).
-        for k in tl.range(0, LANES, loop_unroll_factor=LANE_UNROLL):
+        for k in tl.range(0, TURNS, loop_unroll_factor=LANE_UNROLL):
             top_row = _from_lane(row, k, lane, LANES, SHUFFLE) * HEAD_DIM + channel
             bottom_row = _from_lane(below, k, lane, LANES, SHUFFLE) * HEAD_DIM + channel
             inside = _from_lane(corners, k, lane, LANES, SHUFFLE)
