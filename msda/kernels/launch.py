@@ -81,8 +81,9 @@ def forward_config(num_levels: int, num_points: int, head_dim: int, value_dtype:
     but cost the L1 more wavefronts per byte), 16 queries, each level's points split in two
     groups, and each sample placed once, by one thread of its row, the row's threads taking the
     samples in turns of two (`lane_placement`; on the H200 against the rule before it, encoder
-    float32 -7%, bfloat16 -9%, float16 -2 to -4%; the decoder within 0.5 us either way but float16
-    +0.9 us; first forward+backward call 2.6-2.9 s at L * K = 128, fully unrolled turns 3.9-6.1).
+    float32 -7%, bfloat16 -9%, float16 -2 to -4%; the decoder within 0.6 us either way but float16
+    +0.9 us; first forward+backward call 2.6-2.9 s at L * K = 128 on one host, fully unrolled
+    turns 3.9-6.1; 4.4-4.5 s for this rule and the one before alike on another).
 
     Where the lane placement does not apply (float64, 64-bit indices, narrow tiles), the loop of
     entry 25: float32 loads each step's parameters a step ahead, bfloat16 does too and reads the
