@@ -50,6 +50,7 @@ class TileConfig(NamedTuple):
     bf16_pairs: bool = False  # forward: read a bfloat16 value as int32 pairs (even head_dim)
     lane_placement: bool = False  # forward: one thread of a row places each sample (`lane_placement`)
     lane_unroll: int = 1  # forward, lane placement: the row's turns unrolled this many at a time
+    max_registers: int = 0  # ptxas's register target a thread (Triton's maxnreg); 0: ptxas's choice
 
     @functools.lru_cache(maxsize=256)
     def constexprs(self, head_dim: int, element_size: int, num_points: int) -> dict:
@@ -72,6 +73,7 @@ class TileConfig(NamedTuple):
             CHUNK=chunk,
             BLOCK_D=block_d,
             num_warps=max(1, block_q * groups * threads_per_row // 32),
+            **({"maxnreg": self.max_registers} if self.max_registers else {}),
         )
 
 
