@@ -5,7 +5,7 @@
                          [--forward 16,2,0 8,2,0 ...] [--backward 4,4,0 ...] [--float32-params]
 
 Each variant is a msda.kernels.launch.TileConfig (block_q,groups,threads_per_row[,unroll_levels
-[,prefetch[,bf16_pairs[,lane_placement[,lane_unroll]]]]]; threads_per_row 0 reads a
+[,prefetch[,bf16_pairs[,lane_placement[,lane_unroll[,max_registers]]]]]]; threads_per_row 0 reads a
 whole row per load), launched explicitly
 through the same argument builders as the operator: nothing in msda is patched. Device time by
 CUDA-graph replay of the kernel launches (the backward's zeroing of grad_value included), every

@@ -132,7 +132,8 @@ def _launch_forward(value, spatial_shapes, level_start_index, sampling_locations
             softmax=softmax,
         )
         with _on_device(value.device):
-            wrap_triton(msda_forward_kernel)[grid](*args, **constexprs)
+            kernel, kwargs = launch.traceable(msda_forward_kernel, constexprs)
+            wrap_triton(kernel)[grid](*args, **kwargs)
     return out
 
 
@@ -175,7 +176,8 @@ def _launch_backward(
             fixed_point_scale=fixed_point_scale,
         )
         with _on_device(value.device):
-            wrap_triton(msda_backward_kernel)[grid](*args, **constexprs)
+            kernel, kwargs = launch.traceable(msda_backward_kernel, constexprs)
+            wrap_triton(kernel)[grid](*args, **kwargs)
     return finish_grad_value(grad_value, fixed_point_scale, value.dtype), grad_loc, grad_attn
 
 

@@ -65,6 +65,7 @@ FULL_SHAPES = [(L, K, D) for L in (1, 3, 4) for K in (1, 2, 4, 8) for D in (1, 3
 # (bfloat16's did for a while: 6.5 s here, bench/NOTES.md entry 23).
 TIMED_SHAPES = [(4, 32, 32), (8, 16, 32), (16, 1, 32)]
 COMPILE_SECONDS = 60.0
+LAUNCH_OPTIONS = ("num_warps", "maxnreg")  # in a call's constexprs, compile options rather than arguments
 TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
                 torch.int32: "i32", torch.int64: "i64"}
 # What torch.compile must see each kernel write: (kernel, softmax) -> argument names.
@@ -92,8 +93,10 @@ def kernel_calls(
     out = torch.zeros(B, Q, M * head_dim, dtype=value_dtype)
     grad_value = torch.zeros(value.shape, dtype=accumulator)
     scratch = torch.zeros(attn.shape, dtype=launch.softmax_scratch_dtype(value, loc, attn)) if softmax else None
-    # The index width as a call on tensors past 2**31 elements would take it (the rule reads it).
+    # The index width as a call on tensors past 2**31 elements would take it (the rule reads it),
+    # and the register targets of a Hopper GPU.
     needs_int64, launch.needs_int64 = launch.needs_int64, lambda *tensors: index_64
+    register_target, launch.register_target = launch.register_target, lambda device: True
     try:
         calls = [
             (msda_forward_kernel, *launch.forward_call(value, shapes, starts, loc, attn, out, softmax=softmax)[1:]),
@@ -109,7 +112,7 @@ def kernel_calls(
                 fixed_point_scale=torch.ones(1),
             )[1:]))  # fmt: skip
     finally:
-        launch.needs_int64 = needs_int64
+        launch.needs_int64, launch.register_target = needs_int64, register_target
     return calls
 
 
@@ -141,13 +144,13 @@ def shuffle_layout_errors(ttgir: str) -> list[str]:
 
 def signature(kernel, args: tuple, constexprs: dict) -> dict:
     types = {name: "i32" if isinstance(a, int) else "*" + TRITON_TYPES[a.dtype] for name, a in zip(kernel.arg_names, args)}
-    return {**types, **{name: "constexpr" for name in constexprs if name != "num_warps"}}
+    return {**types, **{name: "constexpr" for name in constexprs if name not in LAUNCH_OPTIONS}}
 
 
 def compile_for_hopper(kernel, args: tuple, constexprs: dict, timed: bool = False) -> float:
     """Compile for sm_90 as a launch with these arguments would (16-byte-aligned pointers);
     returns the seconds it took."""
-    values = {k: v for k, v in constexprs.items() if k != "num_warps"}
+    values = {k: v for k, v in constexprs.items() if k not in LAUNCH_OPTIONS}
     pointers = [name for name, a in zip(kernel.arg_names, args) if not isinstance(a, int)]
     source = ASTSource(
         kernel,
@@ -158,7 +161,8 @@ def compile_for_hopper(kernel, args: tuple, constexprs: dict, timed: bool = Fals
     start = time.perf_counter()
     with triton.knobs.compilation.scope():
         triton.knobs.compilation.always_compile = timed  # a cached kernel would time nothing
-        compiled = triton.compile(source, target=HOPPER, options={"num_warps": constexprs["num_warps"]})
+        options = {k: v for k, v in constexprs.items() if k in LAUNCH_OPTIONS}
+        compiled = triton.compile(source, target=HOPPER, options=options)
     seconds = time.perf_counter() - start
     if constexprs.get("LANE_PLACEMENT") and constexprs.get("SHUFFLE"):
         errors = shuffle_layout_errors(compiled.asm["ttgir"])
@@ -173,7 +177,7 @@ def written_arguments(kernel, args: tuple, constexprs: dict) -> list[str]:
     from torch._higher_order_ops import triton_kernel_wrap
 
     kwargs = dict(zip(kernel.arg_names, args))
-    kwargs.update({k: v for k, v in constexprs.items() if k != "num_warps"})
+    kwargs.update({k: v for k, v in constexprs.items() if k not in LAUNCH_OPTIONS})
     driver = triton.runtime.driver
     previous = driver._active  # reset_active() would look for a GPU driver, and there may be none
     driver.set_active(SimpleNamespace(get_current_target=lambda: HOPPER))

@@ -169,3 +169,29 @@ def test_lane_placement(monkeypatch, dtype, head_dim, points):
     shape = Shape(batch=2, queries=5, heads=2, head_dim=head_dim, levels=((5, 6), (3, 2), (1, 1)), points=points)
     inputs = make_inputs(shape, dtype, DEVICE, outside_fraction=0.25, seed=70 + points)
     check_tile_with_levels_summed(monkeypatch, tile, inputs, "LANE_PLACEMENT")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_register_target(monkeypatch, dtype):
+    """The rule's forward with its register target (Triton's maxnreg, taken on Hopper GPUs and
+    forced here): the registered operator launches it as a one-config `triton.autotune` kernel
+    holding the launch options (`launch.traceable`, what torch.compile reads them from), and it
+    matches the oracle; launched with the options as keywords, the level sizes summed in the
+    kernel, it gives the same bits."""
+    monkeypatch.setattr(launch, "register_target", lambda device: True)
+    shape = Shape(batch=2, queries=5, heads=2, head_dim=32, levels=((5, 6), (3, 2), (1, 1)), points=3)
+    tile = launch.forward_config(len(shape.levels), shape.points, shape.head_dim, dtype)
+    inputs = make_inputs(shape, dtype, DEVICE, outside_fraction=0.25, seed=80)
+    value, shapes, starts, loc, attn = inputs.args()
+    _, _, constexprs = launch.forward_call(value, shapes, starts, loc, attn, torch.empty(0), tile)
+    assert constexprs["maxnreg"] == tile.max_registers > 0
+    kernel, kwargs = launch.traceable(forward_kernel.msda_forward_kernel, constexprs)
+    (config,) = kernel.configs
+    assert (config.maxnreg, config.num_warps) == (constexprs["maxnreg"], constexprs["num_warps"])
+    assert "maxnreg" not in kwargs and "num_warps" not in kwargs
+    launched = []  # whether each launch through the operator held a register target
+    traceable = launch.traceable
+    monkeypatch.setattr(launch, "traceable", lambda kernel, c: launched.append("maxnreg" in c) or traceable(kernel, c))
+    check_tile_with_levels_summed(monkeypatch, tile, inputs, "LANE_PLACEMENT")
+    # On CPU tensors the operator launched the forward; on a GPU the eager fast path does, with keywords.
+    assert launched[:1] == ([True] if DEVICE == "cpu" else [])

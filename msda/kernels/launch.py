@@ -14,6 +14,7 @@ import os
 from typing import NamedTuple
 
 import torch
+import triton
 import triton.language as tl
 from torch import Tensor
 
@@ -78,28 +79,31 @@ class TileConfig(NamedTuple):
 
 
 def forward_config(num_levels: int, num_points: int, head_dim: int, value_dtype: torch.dtype) -> TileConfig:
-    """The forward's launch rule (bench/NOTES.md, entries 13, 25, 26 and 27, have the sweeps behind
-    it): a whole value row per load instruction (fewer threads per row issue fewer instructions
-    but cost the L1 more wavefronts per byte), 16 queries, each level's points split in two
-    groups, and each sample placed once, by one thread of its row, the row's threads taking the
-    samples in turns of two (`lane_placement`; on the H200 against the rule before it, encoder
-    float32 -7%, bfloat16 -9%, float16 -2 to -4%; the decoder within 0.6 us either way but float16
-    +0.9 us; first forward+backward call 2.6-2.9 s at L * K = 128 on one host, fully unrolled
-    turns 3.9-6.1; 4.4-4.5 s for this rule and the one before alike on another).
+    """The forward's launch rule (bench/NOTES.md, entries 13, 25, 26, 27 and 28, have the sweeps
+    behind it): a whole value row per load instruction (fewer threads per row issue fewer
+    instructions but cost the L1 more wavefronts per byte), 16 queries, each level's points split
+    in two groups, and each sample placed once, by one thread of its row, the row's threads taking
+    the samples in turns (`lane_placement`). A register target lets ptxas keep more of the turns'
+    gathers in flight (it keeps two at its own choice of 32 registers a thread): float32 at 40
+    registers, two turns a step; half precision at 64, four turns a step (on the H200: decoder -6
+    to -23%, encoder -1 to -5%; `register_target` says where it applies). The first call of this
+    rule is not yet measured on a GPU (entry 28); two turns a step without targets took 2.6-2.9 s
+    at L * K = 128 on one host, 4.4-4.5 s on another (entry 27).
 
     Where the lane placement does not apply (float64, 64-bit indices, narrow tiles), the loop of
     entry 25: float32 loads each step's parameters a step ahead, bfloat16 does too and reads the
     value as int32 pairs, float16 keeps the plain loop (the prefetch lost it 3-4% at the encoder).
     Unrolling the level loop as well compiled in 1.7 to 6.5 s instead of 0.2 to 0.6 s: not taken."""
-    half = value_dtype == torch.float16
+    half = value_dtype in (torch.float16, torch.bfloat16)
     return TileConfig(
         block_q=16,
         groups=2,
         threads_per_row=0,
-        prefetch=not half,
+        prefetch=value_dtype != torch.float16,
         bf16_pairs=value_dtype == torch.bfloat16,
         lane_placement=True,
-        lane_unroll=2,
+        lane_unroll=4 if half else 2,
+        max_registers=64 if half else 40,
     )
 
 
@@ -160,6 +164,30 @@ def lane_placement(config: TileConfig, constexprs: dict, value: Tensor) -> bool:
 WARP_SHUFFLES = os.environ.get("TRITON_INTERPRET") != "1" and torch.version.hip is None
 
 
+@functools.lru_cache(maxsize=None)
+def register_target(device: torch.device) -> bool:
+    """Whether launches on `device` take a config's `max_registers` (Triton's maxnreg): NVIDIA
+    GPUs of compute capability 9 (Hopper), where the targets were measured. On other GPUs the
+    trade (more loads in flight a warp, fewer warps an SM) is unmeasured, so ptxas chooses."""
+    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] == 9
+
+
+@functools.lru_cache(maxsize=None)
+def _with_launch_options(kernel, num_warps: int, maxnreg: int):
+    return triton.autotune(configs=[triton.Config({}, num_warps=num_warps, maxnreg=maxnreg)], key=[])(kernel)
+
+
+def traceable(kernel, constexprs: dict) -> tuple:
+    """(kernel, keyword arguments) for `wrap_triton(kernel)[grid](*args, **kwargs)`: torch.compile
+    and export take a launch's num_warps from its keyword arguments but not maxnreg, which they
+    read from the configs of a `triton.autotune` kernel. So a launch with a register target runs
+    a one-config autotuner (no benchmarking: there is one config) holding both."""
+    if "maxnreg" not in constexprs:
+        return kernel, constexprs
+    kwargs = dict(constexprs)
+    return _with_launch_options(kernel, kwargs.pop("num_warps"), kwargs.pop("maxnreg")), kwargs
+
+
 def needs_int64(*tensors: Tensor) -> bool:
     """Whether an element offset into any of `tensors` can reach 2**31 (then kernels index in
     int64; int32 otherwise, which saves registers on every gathered address)."""
@@ -208,6 +236,8 @@ def forward_call(
     # Where the lane placement does not apply, the config's other settings choose the loop.
     constexprs.update(LANE_PLACEMENT=lane_placement(config, constexprs, value), SHUFFLE=WARP_SHUFFLES)
     constexprs["LANE_UNROLL"] = max(1, int(config.lane_unroll))
+    if not (constexprs["LANE_PLACEMENT"] and register_target(value.device)):  # where the targets were measured
+        constexprs.pop("maxnreg", None)
     constexprs["BF16_PAIRS"] = bool(config.bf16_pairs) and _pairs_readable(value) and not constexprs["LANE_PLACEMENT"]
     grid = (_cdiv(Q, constexprs["BLOCK_Q"]) * B * M,)
     starts = spatial_shapes if level_start_index is None else level_start_index  # unread if None
