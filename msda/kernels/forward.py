@@ -273,6 +273,7 @@ def _lane_placed_samples(
     # Turns a round: fewer than LANES where a group has fewer samples than its row has threads
     # (4 groups of 4 samples at float32's 8 lanes), so no turn reads only masked corners.
     TURNS: tl.constexpr = min(LANES, (SAMPLES + GROUPS - 1) // GROUPS)
+    PACK_CORNERS: tl.constexpr = HEAD_DIM % 16 == 0
     lane = tl.arange(0, LANES)[:, None, None, None]
     group = tl.arange(0, GROUPS)[None, :, None, None]
     channel = lane * VECTOR + tl.arange(0, VECTOR)[None, None, None, :]
@@ -305,26 +306,38 @@ def _lane_placed_samples(
         below = row + w * NUM_HEADS
         corners = (left & top).to(tl.int32) | ((right & top).to(tl.int32) << 1)
         corners |= ((left & bottom).to(tl.int32) << 2) | ((right & bottom).to(tl.int32) << 3)
+        if PACK_CORNERS:  # element offsets (int32: the lane placement runs with 32-bit indices only)
+            row = row * HEAD_DIM | corners  # a multiple of 16: the corners ride in its four low bits
+            below = below * HEAD_DIM
         attn_top = attn * (1.0 - fy)
         attn_bottom = attn * fy
-        w_tl = attn_top * (1.0 - fx)
-        w_tr = attn_top * fx
-        w_bl = attn_bottom * (1.0 - fx)
-        w_br = attn_bottom * fx
         # A loop, LANE_UNROLL sub-steps a turn: fully unrolled, the first call took over 5 s
-        # (bench/NOTES.md entry 26); as a loop it runs as fast (entry 27).
+        # (bench/NOTES.md entry 26); as a loop it runs as fast (entry 27). A turn passes five
+        # numbers where the corners are packed: shuffles cost L1 wavefronts as loads do, so the
+        # corners' weights are remade from attn_top, attn_bottom and fx (entry 30).
         for k in tl.range(0, TURNS, loop_unroll_factor=LANE_UNROLL):
-            top_row = _from_lane(row, k, lane, LANES, SHUFFLE) * HEAD_DIM + channel
-            bottom_row = _from_lane(below, k, lane, LANES, SHUFFLE) * HEAD_DIM + channel
-            inside = _from_lane(corners, k, lane, LANES, SHUFFLE)
+            if PACK_CORNERS:
+                inside = _from_lane(row, k, lane, LANES, SHUFFLE)
+                # Multiples of 16, said so (`& -16` holds the hint: on a shuffle's result Triton
+                # drops it), or Triton would not vectorize the loads.
+                top_row = tl.multiple_of(inside & -16, [16, 16, 16, 16]) + channel
+                bottom_row = _from_lane(below, k, lane, LANES, SHUFFLE)
+                bottom_row = tl.multiple_of(bottom_row & -16, [16, 16, 16, 16]) + channel
+            else:
+                top_row = _from_lane(row, k, lane, LANES, SHUFFLE) * HEAD_DIM + channel
+                bottom_row = _from_lane(below, k, lane, LANES, SHUFFLE) * HEAD_DIM + channel
+                inside = _from_lane(corners, k, lane, LANES, SHUFFLE)
+            a_top = _from_lane(attn_top, k, lane, LANES, SHUFFLE)
+            a_bottom = _from_lane(attn_bottom, k, lane, LANES, SHUFFLE)
+            fx_k = _from_lane(fx, k, lane, LANES, SHUFFLE)
             v = tl.load(value_ptr + top_row, mask=((inside & 1) != 0) & d_ok, other=0.0)
-            acc += _from_lane(w_tl, k, lane, LANES, SHUFFLE) * v.to(tl.float32)
+            acc += (a_top * (1.0 - fx_k)) * v.to(tl.float32)
             v = tl.load(value_ptr + top_row + NUM_HEADS * HEAD_DIM, mask=((inside & 2) != 0) & d_ok, other=0.0)
-            acc += _from_lane(w_tr, k, lane, LANES, SHUFFLE) * v.to(tl.float32)
+            acc += (a_top * fx_k) * v.to(tl.float32)
             v = tl.load(value_ptr + bottom_row, mask=((inside & 4) != 0) & d_ok, other=0.0)
-            acc += _from_lane(w_bl, k, lane, LANES, SHUFFLE) * v.to(tl.float32)
+            acc += (a_bottom * (1.0 - fx_k)) * v.to(tl.float32)
             v = tl.load(value_ptr + bottom_row + NUM_HEADS * HEAD_DIM, mask=((inside & 8) != 0) & d_ok, other=0.0)
-            acc += _from_lane(w_br, k, lane, LANES, SHUFFLE) * v.to(tl.float32)
+            acc += (a_bottom * fx_k) * v.to(tl.float32)
     return acc
 
 
