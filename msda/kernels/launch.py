@@ -87,7 +87,8 @@ def forward_config(num_levels: int, num_points: int, head_dim: int, value_dtype:
     gathers in flight (it keeps two at its own choice of 32 registers a thread): float32 at 40
     registers, two turns a step; half precision at 64, four turns a step (on the H200: decoder -6
     to -23%, encoder -1 to -5%; `register_target` says where it applies). Its first forward and
-    backward at L * K = 128 took 3.8-4.7 s on an H200 host, float32 the slowest (entry 29).
+    backward at L * K = 128 took 2.9-4.7 s on an H200 host, mostly Triton's per-process work
+    (entries 29-30).
 
     Where the lane placement does not apply (float64, 64-bit indices, narrow tiles), the loop of
     entry 25: float32 loads each step's parameters a step ahead, bfloat16 does too and reads the
