@@ -156,7 +156,7 @@ def test_local_distribution():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("head_dim, points", [(6, 2), (16, 3), (32, 5)])
+@pytest.mark.parametrize("head_dim, points", [(6, 2), (16, 3), (32, 5), (16, 2), (32, 4)])
 def test_lane_placement(monkeypatch, dtype, head_dim, points):
     """The forward whose threads each place one sample of their row and pass it to the row's other
     threads (on a GPU by warp shuffles, here by the portable masked sum): rows of 1 to 8
@@ -164,7 +164,9 @@ def test_lane_placement(monkeypatch, dtype, head_dim, points):
     has threads where a group has fewer samples (D = 32 in float32), masked queries (16 a
     program: the tile must fill a warp); with the level sizes summed in the kernel it computes
     the same bits. The row's turns unrolled two at a time, as the launch rule does: one turn of a
-    one-thread row leaves the unrolled loop a remainder."""
+    one-thread row leaves the unrolled loop a remainder. D of 16 and 32 pack the corners into
+    the row offsets; with an even K each turn's level is known to every thread (its width then
+    comes from the level, and the turns past L * K have a level past the last)."""
     tile = launch.TileConfig(block_q=16, groups=2, threads_per_row=0, lane_placement=True, lane_unroll=2)
     shape = Shape(batch=2, queries=5, heads=2, head_dim=head_dim, levels=((5, 6), (3, 2), (1, 1)), points=points)
     inputs = make_inputs(shape, dtype, DEVICE, outside_fraction=0.25, seed=70 + points)
