@@ -165,7 +165,9 @@ def test_lane_placement(monkeypatch, dtype, head_dim, points):
     program: the tile must fill a warp); with the level sizes summed in the kernel it computes
     the same bits. The row's turns unrolled two at a time, as the launch rule does: one turn of a
     one-thread row leaves the unrolled loop a remainder. D of 16 and 32 pack the corners into
-    the row offsets, at odd and at even K (the presets' case)."""
+    the row offsets, at odd and at even K (the presets' case); with an even K each turn's level is
+    known to every thread (its width comes from the level, and the turns past L * K have a level
+    past the last)."""
     tile = launch.TileConfig(block_q=16, groups=2, threads_per_row=0, lane_placement=True, lane_unroll=2)
     shape = Shape(batch=2, queries=5, heads=2, head_dim=head_dim, levels=((5, 6), (3, 2), (1, 1)), points=points)
     inputs = make_inputs(shape, dtype, DEVICE, outside_fraction=0.25, seed=70 + points)

@@ -274,6 +274,9 @@ def _lane_placed_samples(
     # (4 groups of 4 samples at float32's 8 lanes), so no turn reads only masked corners.
     TURNS: tl.constexpr = min(LANES, (SAMPLES + GROUPS - 1) // GROUPS)
     PACK_CORNERS: tl.constexpr = HEAD_DIM % 16 == 0
+    # Where the groups divide a level's points, lane k's sample in turn k of round r is of level
+    # (k + LANES * r) // (NUM_POINTS // GROUPS) in every group: the same for each thread.
+    LEVEL_OF_TURN: tl.constexpr = PACK_CORNERS and NUM_POINTS % GROUPS == 0
     lane = tl.arange(0, LANES)[:, None, None, None]
     group = tl.arange(0, GROUPS)[None, :, None, None]
     channel = lane * VECTOR + tl.arange(0, VECTOR)[None, None, None, :]
@@ -313,16 +316,24 @@ def _lane_placed_samples(
         attn_bottom = attn * fy
         # A loop, LANE_UNROLL sub-steps a turn: fully unrolled, the first call took over 5 s
         # (bench/NOTES.md entry 26); as a loop it runs as fast (entry 27). A turn passes five
-        # numbers where the corners are packed: shuffles cost L1 wavefronts as loads do, so the
-        # corners' weights are remade from attn_top, attn_bottom and fx (entry 30).
+        # numbers where the corners are packed, four where its level is known too: shuffles cost
+        # L1 wavefronts as loads do, so the corners' weights are remade from attn_top,
+        # attn_bottom and fx (entry 30), and the levels' widths sit in uniform registers.
         for k in tl.range(0, TURNS, loop_unroll_factor=LANE_UNROLL):
             if PACK_CORNERS:
                 inside = _from_lane(row, k, lane, LANES, SHUFFLE)
                 # Multiples of 16, said so (`& -16` holds the hint: on a shuffle's result Triton
                 # drops it), or Triton would not vectorize the loads.
                 top_row = tl.multiple_of(inside & -16, [16, 16, 16, 16]) + channel
-                bottom_row = _from_lane(below, k, lane, LANES, SHUFFLE)
-                bottom_row = tl.multiple_of(bottom_row & -16, [16, 16, 16, 16]) + channel
+                if LEVEL_OF_TURN:  # every lane k of a turn samples one level: its width, not a shuffle
+                    level_k = (k + LANES * r) // (NUM_POINTS // GROUPS)
+                    width = tl.load(shapes_ptr + 1).to(b.dtype)
+                    for other in tl.static_range(1, NUM_LEVELS):
+                        width = tl.where(level_k == other, tl.load(shapes_ptr + 2 * other + 1).to(b.dtype), width)
+                    bottom_row = top_row + width * (NUM_HEADS * HEAD_DIM)
+                else:
+                    bottom_row = _from_lane(below, k, lane, LANES, SHUFFLE)
+                    bottom_row = tl.multiple_of(bottom_row & -16, [16, 16, 16, 16]) + channel
             else:
                 top_row = _from_lane(row, k, lane, LANES, SHUFFLE) * HEAD_DIM + channel
                 bottom_row = _from_lane(below, k, lane, LANES, SHUFFLE) * HEAD_DIM + channel
