@@ -128,9 +128,11 @@ def test_prefetched_parameters(monkeypatch, points, groups):
     check_tile_with_levels_summed(monkeypatch, tile, inputs, "PREFETCH")
 
 
-@pytest.mark.parametrize("head_dim, offset", [(6, 0), (5, 0), (6, 1)])
-def test_bfloat16_pairs(head_dim, offset):
-    """The forward reading a bfloat16 value as int32 pairs gives the bits of the plain loads;
+@pytest.mark.parametrize("lane", [False, True], ids=["steps", "lane"])
+@pytest.mark.parametrize("head_dim, offset", [(6, 0), (5, 0), (6, 1), (32, 0)])
+def test_bfloat16_pairs(head_dim, offset, lane):
+    """The forward reading a bfloat16 value as int32 pairs gives the bits of the plain loads, in
+    both loops (with the lane placement, D = 32 packs the corners into offsets counted in pairs);
     an odd D, or data that starts off a 4-byte boundary, keeps the plain loads."""
     shape = Shape(batch=2, queries=5, heads=2, head_dim=head_dim, levels=((5, 6), (3, 2), (1, 1)), points=2)
     inputs = make_inputs(shape, torch.bfloat16, DEVICE, loc_dtype=torch.float32, outside_fraction=0.25, seed=60)
@@ -141,9 +143,13 @@ def test_bfloat16_pairs(head_dim, offset):
     outputs = []
     for pairs in (False, True):
         out = value.new_empty(shape.batch, shape.queries, shape.heads * head_dim)
-        tile = launch.TileConfig(block_q=4, groups=2, threads_per_row=0, prefetch=True, bf16_pairs=pairs)
+        if lane:
+            tile = launch.TileConfig(16, 2, 0, lane_placement=True, lane_unroll=2, bf16_pairs=pairs)
+        else:
+            tile = launch.TileConfig(block_q=4, groups=2, threads_per_row=0, prefetch=True, bf16_pairs=pairs)
         grid, args, constexprs = launch.forward_call(value, shapes, starts, loc, attn, out, tile)
         assert constexprs["BF16_PAIRS"] == (pairs and head_dim % 2 == 0 and offset % 2 == 0)
+        assert constexprs["LANE_PLACEMENT"] == lane
         forward_kernel.msda_forward_kernel[grid](*args, **constexprs)
         outputs.append(out)
     torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)

@@ -259,9 +259,12 @@ def _lane_placed_samples(
     LEVEL_STARTS: tl.constexpr,
     SHUFFLE: tl.constexpr,
     LANE_UNROLL: tl.constexpr,
+    BF16_PAIRS: tl.constexpr,
 ):
     """The weighed sum of every sample of each (group, query), [LANES, GROUPS, BLOCK_Q, VECTOR]
-    (channel lane * VECTOR + element), placing each sample once: the LANES threads that read a
+    (channel lane * VECTOR + element), and a placeholder; with BF16_PAIRS the sums of the pairs'
+    low and high elements, [LANES, GROUPS, BLOCK_Q, VECTOR // 2] each (channel lane * VECTOR + 2 *
+    pair + 0 or 1: see `_bf16_pairs`). Each sample is placed once: the LANES threads that read a
     value row each place one sample of their row's query, then take turns, every thread of the
     row reading the corners of lane k's sample with its placement passed by `_from_lane`. The
     other loop places every sample in each of the row's threads: most of its instructions
@@ -273,17 +276,25 @@ def _lane_placed_samples(
     # Turns a round: fewer than LANES where a group has fewer samples than its row has threads
     # (4 groups of 4 samples at float32's 8 lanes), so no turn reads only masked corners.
     TURNS: tl.constexpr = min(LANES, (SAMPLES + GROUPS - 1) // GROUPS)
-    PACK_CORNERS: tl.constexpr = HEAD_DIM % 16 == 0
+    lane = tl.arange(0, LANES)[:, None, None, None]
+    group = tl.arange(0, GROUPS)[None, :, None, None]
+    q = q[None, None, :, None]
+    first_param = ((b * num_queries + q) * NUM_HEADS + m) * SAMPLES  # [1, 1, BLOCK_Q, 1]
+    if BF16_PAIRS:  # offsets in int32 pairs of elements
+        ELEMENTS: tl.constexpr = 2
+        pairs_ptr = value_ptr.to(tl.pointer_type(tl.int32))
+        acc_high = tl.zeros([LANES, GROUPS, q.shape[2], VECTOR // 2], dtype=tl.float32)
+    else:
+        ELEMENTS: tl.constexpr = 1
+        acc_high = tl.zeros([1], dtype=tl.float32)  # unused
+    channel = lane * (VECTOR // ELEMENTS) + tl.arange(0, VECTOR // ELEMENTS)[None, None, None, :]
+    d_ok = channel < HEAD_DIM // ELEMENTS
+    ROW: tl.constexpr = NUM_HEADS * HEAD_DIM // ELEMENTS  # between horizontally adjacent pixels
+    PACK_CORNERS: tl.constexpr = (HEAD_DIM // ELEMENTS) % 16 == 0
     # Where the groups divide a level's points, lane k's sample in turn k of round r is of level
     # (k + LANES * r) // (NUM_POINTS // GROUPS) in every group: the same for each thread.
     LEVEL_OF_TURN: tl.constexpr = PACK_CORNERS and NUM_POINTS % GROUPS == 0
-    lane = tl.arange(0, LANES)[:, None, None, None]
-    group = tl.arange(0, GROUPS)[None, :, None, None]
-    channel = lane * VECTOR + tl.arange(0, VECTOR)[None, None, None, :]
-    d_ok = channel < HEAD_DIM
-    q = q[None, None, :, None]
-    first_param = ((b * num_queries + q) * NUM_HEADS + m) * SAMPLES  # [1, 1, BLOCK_Q, 1]
-    acc = tl.zeros([LANES, GROUPS, q.shape[2], VECTOR], dtype=tl.float32)
+    acc = tl.zeros([LANES, GROUPS, q.shape[2], VECTOR // ELEMENTS], dtype=tl.float32)
     for r in tl.range(0, ROUNDS):
         # Lane j of group g places sample g + GROUPS * (j + LANES * r): strided across the lanes,
         # so that each thread loads its own parameters rather than a vector of its neighbours'.
@@ -309,9 +320,9 @@ def _lane_placed_samples(
         below = row + w * NUM_HEADS
         corners = (left & top).to(tl.int32) | ((right & top).to(tl.int32) << 1)
         corners |= ((left & bottom).to(tl.int32) << 2) | ((right & bottom).to(tl.int32) << 3)
-        if PACK_CORNERS:  # element offsets (int32: the lane placement runs with 32-bit indices only)
-            row = row * HEAD_DIM | corners  # a multiple of 16: the corners ride in its four low bits
-            below = below * HEAD_DIM
+        if PACK_CORNERS:  # offsets in elements, or pairs (int32: the lane placement has 32-bit indices only)
+            row = row * (HEAD_DIM // ELEMENTS) | corners  # a multiple of 16: the corners ride in its four low bits
+            below = below * (HEAD_DIM // ELEMENTS)
         attn_top = attn * (1.0 - fy)
         attn_bottom = attn * fy
         # A loop, LANE_UNROLL sub-steps a turn: fully unrolled, the first call took over 5 s
@@ -330,26 +341,44 @@ def _lane_placed_samples(
                     width = tl.load(shapes_ptr + 1).to(b.dtype)
                     for other in tl.static_range(1, NUM_LEVELS):
                         width = tl.where(level_k == other, tl.load(shapes_ptr + 2 * other + 1).to(b.dtype), width)
-                    bottom_row = top_row + width * (NUM_HEADS * HEAD_DIM)
+                    bottom_row = top_row + width * ROW
                 else:
                     bottom_row = _from_lane(below, k, lane, LANES, SHUFFLE)
                     bottom_row = tl.multiple_of(bottom_row & -16, [16, 16, 16, 16]) + channel
             else:
-                top_row = _from_lane(row, k, lane, LANES, SHUFFLE) * HEAD_DIM + channel
-                bottom_row = _from_lane(below, k, lane, LANES, SHUFFLE) * HEAD_DIM + channel
+                top_row = _from_lane(row, k, lane, LANES, SHUFFLE) * (HEAD_DIM // ELEMENTS) + channel
+                bottom_row = _from_lane(below, k, lane, LANES, SHUFFLE) * (HEAD_DIM // ELEMENTS) + channel
                 inside = _from_lane(corners, k, lane, LANES, SHUFFLE)
             a_top = _from_lane(attn_top, k, lane, LANES, SHUFFLE)
             a_bottom = _from_lane(attn_bottom, k, lane, LANES, SHUFFLE)
             fx_k = _from_lane(fx, k, lane, LANES, SHUFFLE)
-            v = tl.load(value_ptr + top_row, mask=((inside & 1) != 0) & d_ok, other=0.0)
-            acc += (a_top * (1.0 - fx_k)) * v.to(tl.float32)
-            v = tl.load(value_ptr + top_row + NUM_HEADS * HEAD_DIM, mask=((inside & 2) != 0) & d_ok, other=0.0)
-            acc += (a_top * fx_k) * v.to(tl.float32)
-            v = tl.load(value_ptr + bottom_row, mask=((inside & 4) != 0) & d_ok, other=0.0)
-            acc += (a_bottom * (1.0 - fx_k)) * v.to(tl.float32)
-            v = tl.load(value_ptr + bottom_row + NUM_HEADS * HEAD_DIM, mask=((inside & 8) != 0) & d_ok, other=0.0)
-            acc += (a_bottom * fx_k) * v.to(tl.float32)
-    return acc
+            w_tl = a_top * (1.0 - fx_k)
+            w_tr = a_top * fx_k
+            w_bl = a_bottom * (1.0 - fx_k)
+            w_br = a_bottom * fx_k
+            if BF16_PAIRS:  # one integer op an element to float32 (`_bf16_pairs`), as float16's conversion
+                low, high = _bf16_pairs(pairs_ptr + top_row, ((inside & 1) != 0) & d_ok)
+                acc += w_tl * low
+                acc_high += w_tl * high
+                low, high = _bf16_pairs(pairs_ptr + top_row + ROW, ((inside & 2) != 0) & d_ok)
+                acc += w_tr * low
+                acc_high += w_tr * high
+                low, high = _bf16_pairs(pairs_ptr + bottom_row, ((inside & 4) != 0) & d_ok)
+                acc += w_bl * low
+                acc_high += w_bl * high
+                low, high = _bf16_pairs(pairs_ptr + bottom_row + ROW, ((inside & 8) != 0) & d_ok)
+                acc += w_br * low
+                acc_high += w_br * high
+            else:
+                v = tl.load(value_ptr + top_row, mask=((inside & 1) != 0) & d_ok, other=0.0)
+                acc += w_tl * v.to(tl.float32)
+                v = tl.load(value_ptr + top_row + ROW, mask=((inside & 2) != 0) & d_ok, other=0.0)
+                acc += w_tr * v.to(tl.float32)
+                v = tl.load(value_ptr + bottom_row, mask=((inside & 4) != 0) & d_ok, other=0.0)
+                acc += w_bl * v.to(tl.float32)
+                v = tl.load(value_ptr + bottom_row + ROW, mask=((inside & 8) != 0) & d_ok, other=0.0)
+                acc += w_br * v.to(tl.float32)
+    return acc, acc_high
 
 
 # Q and S vary with the image: not specialized (16-divisibility would compile a second program).
@@ -399,11 +428,13 @@ def msda_forward_kernel(
         tl.static_assert(CHUNK == BLOCK_D, "LANE_PLACEMENT reads a row with one load a thread")
         VECTOR: tl.constexpr = 128 // value_ptr.dtype.element_ty.primitive_bitwidth  # elements in 16 bytes
         LANES: tl.constexpr = CHUNK // VECTOR
-        acc = _lane_placed_samples(
+        acc, acc_high = _lane_placed_samples(
             value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr, b, m, q, num_queries, num_values, NUM_HEADS,
-            HEAD_DIM, NUM_LEVELS, NUM_POINTS, GROUPS, LANES, VECTOR, LEVEL_STARTS, SHUFFLE, LANE_UNROLL,
+            HEAD_DIM, NUM_LEVELS, NUM_POINTS, GROUPS, LANES, VECTOR, LEVEL_STARTS, SHUFFLE, LANE_UNROLL, BF16_PAIRS,
         )  # fmt: skip
-        out = tl.sum(acc, axis=1)  # [LANES, BLOCK_Q, VECTOR]
+        out = tl.sum(acc, axis=1)  # [LANES, BLOCK_Q, VECTOR], or its pairs' low elements
+        if BF16_PAIRS:  # the pairs interleaved again
+            out = tl.reshape(tl.join(out, tl.sum(acc_high, axis=1)), [LANES, BLOCK_Q, VECTOR])
         out_channel = tl.arange(0, LANES)[:, None, None] * VECTOR + tl.arange(0, VECTOR)[None, None, :]
         tl.store(
             out_ptr + out_row[None, :, None] * HEAD_DIM + out_channel,

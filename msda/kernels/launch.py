@@ -88,11 +88,12 @@ def forward_config(num_levels: int, num_points: int, head_dim: int, value_dtype:
     registers, two turns a step; half precision at 64, four turns a step (on the H200: decoder -6
     to -23%, encoder -1 to -5%; `register_target` says where it applies). Its first forward and
     backward at L * K = 128 took 2.9-4.7 s on an H200 host, mostly Triton's per-process work
-    (entries 29-30).
+    (entries 29-30). bfloat16 reads the value as int32 pairs in either loop (one integer op an
+    element to float32 instead of about two).
 
     Where the lane placement does not apply (float64, 64-bit indices, narrow tiles), the loop of
-    entry 25: float32 loads each step's parameters a step ahead, bfloat16 does too and reads the
-    value as int32 pairs, float16 keeps the plain loop (the prefetch lost it 3-4% at the encoder).
+    entry 25: float32 and bfloat16 load each step's parameters a step ahead, float16 keeps the
+    plain loop (the prefetch lost it 3-4% at the encoder).
     Unrolling the level loop as well compiled in 1.7 to 6.5 s instead of 0.2 to 0.6 s: not taken."""
     half = value_dtype in (torch.float16, torch.bfloat16)
     return TileConfig(
@@ -146,7 +147,8 @@ def lane_placement(config: TileConfig, constexprs: dict, value: Tensor) -> bool:
     are not a vector of its neighbours', which Triton would load in another layout), and a tile
     of at least a warp's threads: with fewer, Triton spreads a row's vector over more threads
     and the shuffles' lanes are no longer the row's (scripts/compile_check.py checks the
-    layouts). Where it applies it takes precedence over a config's prefetch and int32 pairs."""
+    layouts). Where it applies it takes precedence over a config's prefetch; int32 pairs apply to
+    either loop."""
     lanes = constexprs["CHUNK"] // max(1, 16 // value.element_size())
     return (
         config.lane_placement
@@ -238,7 +240,7 @@ def forward_call(
     constexprs["LANE_UNROLL"] = max(1, int(config.lane_unroll))
     if not (constexprs["LANE_PLACEMENT"] and register_target(value.device)):  # where the targets were measured
         constexprs.pop("maxnreg", None)
-    constexprs["BF16_PAIRS"] = bool(config.bf16_pairs) and _pairs_readable(value) and not constexprs["LANE_PLACEMENT"]
+    constexprs["BF16_PAIRS"] = bool(config.bf16_pairs) and _pairs_readable(value)
     grid = (_cdiv(Q, constexprs["BLOCK_Q"]) * B * M,)
     starts = spatial_shapes if level_start_index is None else level_start_index  # unread if None
     args = (value, spatial_shapes, starts, sampling_locations, attention_weights, out, Q, S)
