@@ -47,7 +47,7 @@ class TileConfig(NamedTuple):
     groups: int
     threads_per_row: int
     unroll_levels: int = 0  # forward: unroll the level loop when L * K is at most this
-    prefetch: bool = False  # forward: load each loop step's parameters one step ahead
+    prefetch: bool = False  # load each loop step's parameters one step ahead (the backward: at one point a group)
     bf16_pairs: bool = False  # forward: read a bfloat16 value as int32 pairs (even head_dim)
     lane_placement: bool = False  # forward: one thread of a row places each sample (`lane_placement`)
     lane_unroll: int = 1  # forward, lane placement: the row's turns unrolled this many at a time
@@ -109,8 +109,9 @@ def forward_config(num_levels: int, num_points: int, head_dim: int, value_dtype:
 
 def backward_config(num_levels: int, num_points: int, head_dim: int, value_dtype: torch.dtype) -> TileConfig:
     """The backward's launch rule (bench/NOTES.md, entry 13): a whole row per load and per atomic
-    (the L2 handles fewer, larger reductions better), 4 queries, points in four groups."""
-    return TileConfig(block_q=4, groups=4, threads_per_row=0)
+    (the L2 handles fewer, larger reductions better), 4 queries, points in four groups, each
+    step's parameters loaded a step ahead where a step holds one point a group (experiment)."""
+    return TileConfig(block_q=4, groups=4, threads_per_row=0, prefetch=True)
 
 
 def compute_dtype(*tensors: Tensor):
@@ -287,6 +288,7 @@ def backward_call(
         SOFTMAX=softmax,
         FIXED_POINT=fixed_point_scale is not None,
     )
+    constexprs["PREFETCH"] = bool(config.prefetch) and constexprs["UNROLL"] == 1
     if softmax and scratch is None:
         raise ValueError("backward_call: softmax=True needs a scratch tensor")
     grid = (_cdiv(Q, constexprs["BLOCK_Q"]) * B * M,)
