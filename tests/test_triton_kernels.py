@@ -128,6 +128,35 @@ def test_prefetched_parameters(monkeypatch, points, groups):
     check_tile_with_levels_summed(monkeypatch, tile, inputs, "PREFETCH")
 
 
+@pytest.mark.parametrize("softmax", [False, True], ids=["weights", "logits"])
+def test_backward_prefetch(softmax):
+    """The backward with each step's parameters loaded a step ahead (one point a group a step: K =
+    3 in 4 groups, one masked) computes the bits of the plain loads (on a GPU grad_value's atomics
+    add in any order: equal to rounding there), and matches the oracle."""
+    shape = Shape(batch=2, queries=5, heads=2, head_dim=6, levels=((5, 6), (3, 2), (1, 1)), points=3)
+    inputs = make_inputs(shape, torch.float32, DEVICE, outside_fraction=0.25, seed=90, logits=softmax)
+    grad_output = random_like_output(inputs)
+    value, shapes, starts, loc, attn = inputs.args()
+    outputs = []
+    for prefetch in (False, True):
+        grads = [torch.zeros_like(value), torch.empty_like(loc), torch.empty_like(attn)]
+        tile = launch.TileConfig(block_q=4, groups=4, threads_per_row=0, prefetch=prefetch)
+        scratch = torch.empty_like(attn) if softmax else None
+        grid, args, constexprs = launch.backward_call(
+            grad_output, value, shapes, starts, loc, attn, *grads, tile, softmax=softmax, scratch=scratch
+        )
+        assert constexprs["PREFETCH"] == prefetch
+        backward_kernel.msda_backward_kernel[grid](*args, **constexprs)
+        outputs.append(grads)
+    for name, plain, prefetched in zip(("grad_value", "grad_loc", "grad_attn"), *outputs):
+        exact = name != "grad_value" or DEVICE == "cpu"
+        tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-5, "atol": 1e-6}
+        torch.testing.assert_close(prefetched, plain, **tol, msg=lambda m: f"{name}: {m}")
+    assert launch.backward_config(3, 3, 6, torch.float32).prefetch  # the rule takes it
+    if not softmax:
+        check(inputs)
+
+
 @pytest.mark.parametrize("lane", [False, True], ids=["steps", "lane"])
 @pytest.mark.parametrize("head_dim, offset", [(6, 0), (5, 0), (6, 1), (32, 0)])
 def test_bfloat16_pairs(head_dim, offset, lane):

@@ -42,6 +42,7 @@ def msda_backward_kernel(
     LEVEL_STARTS: tl.constexpr,  # False: level_start_index was not given, sum the level sizes
     SOFTMAX: tl.constexpr,  # attn_ptr holds logits: weights are their softmax, grad_attn is d/d logits
     FIXED_POINT: tl.constexpr,  # grad_value sums integers (deterministic mode): see fixed_point_scale
+    PREFETCH: tl.constexpr,  # load each step's parameters one step ahead (UNROLL 1)
 ):
     # The forward's program layout and tile (msda/kernels/forward.py explains both).
     pid = tl.program_id(0)
@@ -86,95 +87,117 @@ def msda_backward_kernel(
     else:
         fixed_point_scale = 1.0
 
+    # One loop over every level's steps, a step GROUPS * UNROLL points of one level. With PREFETCH
+    # (one point a group a step) each step loads the next one's parameters, so that their latency
+    # overlaps this step's gathers and reductions instead of preceding its placement.
+    STEPS: tl.constexpr = (NUM_POINTS + GROUPS * UNROLL - 1) // (GROUPS * UNROLL)  # a level's steps
+    MASKED_WEIGHT: tl.constexpr = float("-inf") if SOFTMAX else 0.0  # a masked logit's softmax weight is 0
     start = b * 0  # the level's first row, in the index dtype
-    for level in tl.range(0, NUM_LEVELS):
+    if PREFETCH:  # step 0: level 0, point `group`
+        tl.static_assert(UNROLL == 1, "the backward prefetches one point a group a step")
+        mask = (group < NUM_POINTS) & q_ok
+        next_attn = tl.load(attn_ptr + first_param + group, mask=mask, other=MASKED_WEIGHT)
+        next_x = tl.load(loc_ptr + 2 * (first_param + group), mask=mask, other=0.0)
+        next_y = tl.load(loc_ptr + 2 * (first_param + group) + 1, mask=mask, other=0.0)
+    for step in tl.range(0, NUM_LEVELS * STEPS):
+        level = step // STEPS
         h = tl.load(shapes_ptr + 2 * level).to(b.dtype)
         w = tl.load(shapes_ptr + 2 * level + 1).to(b.dtype)
         if LEVEL_STARTS:
             start = tl.load(starts_ptr + level).to(b.dtype)
         usable = level_ok(h, w, start, num_values)
         level_row = (b * num_values + start) * NUM_HEADS + m
-        for point_step in tl.range(0, NUM_POINTS, GROUPS * UNROLL):
-            for unrolled in tl.static_range(UNROLL):
-                point = point_step + unrolled * GROUPS + group
-                mask = (point < NUM_POINTS) & q_ok
-                param = first_param + level * NUM_POINTS + point  # [GROUPS, BLOCK_Q]
-                if SOFTMAX:  # masked logits -inf: weight exactly 0
-                    attn = tl.load(attn_ptr + param, mask=mask, other=float("-inf")).to(COMPUTE)
-                    attn = tl.exp(attn - row_max) * row_scale
-                else:
-                    attn = tl.load(attn_ptr + param, mask=mask, other=0.0).to(COMPUTE)
+        if PREFETCH:
+            attn_now, x_now, y_now = next_attn, next_x, next_y
+            following = step + 1
+            next_point = (following % STEPS) * GROUPS + group
+            mask = (next_point < NUM_POINTS) & q_ok & (following < NUM_LEVELS * STEPS)
+            next_param = first_param + (following // STEPS) * NUM_POINTS + next_point
+            next_attn = tl.load(attn_ptr + next_param, mask=mask, other=MASKED_WEIGHT)
+            next_x = tl.load(loc_ptr + 2 * next_param, mask=mask, other=0.0)
+            next_y = tl.load(loc_ptr + 2 * next_param + 1, mask=mask, other=0.0)
+        for unrolled in tl.static_range(UNROLL):
+            point = (step % STEPS) * (GROUPS * UNROLL) + unrolled * GROUPS + group
+            mask = (point < NUM_POINTS) & q_ok
+            param = first_param + level * NUM_POINTS + point  # [GROUPS, BLOCK_Q]
+            if PREFETCH:
+                attn, x, y = attn_now, x_now, y_now
+            else:
+                attn = tl.load(attn_ptr + param, mask=mask, other=MASKED_WEIGHT)
                 x = tl.load(loc_ptr + 2 * param, mask=mask, other=0.0)
                 y = tl.load(loc_ptr + 2 * param + 1, mask=mask, other=0.0)
-                x0, y0, fx, fy, left, right, top, bottom = place_sample(x, y, h, w, usable, mask, COMPUTE)
-                if not SOFTMAX:  # a softmax weight is finite or NaN already (sampling.softmax_stats)
-                    attn = finite_or_nan(attn)
-                corner = (level_row + (y0 * w + x0) * NUM_HEADS) * HEAD_DIM
-                corner = corner[:, :, None, None] + channel
-                below = corner + w * ROW
-                # Each corner: its value row dotted with grad_out (for the location and attention
-                # gradients), and attn * weight * grad_out scattered into grad_value. Many queries
-                # can hit one value row, so that is an atomic add; relaxed: only the sum matters.
-                # (Written out per corner: a helper taking both pointers would make torch.compile
-                # believe the kernel writes `value`.)
-                a_top = attn * (1.0 - fy)
-                a_bottom = attn * fy
-                v = tl.load(value_ptr + corner, mask=(left & top)[:, :, None, None] & d_ok, other=0.0)
-                dot_tl = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
-                tl.atomic_add(
-                    grad_value_ptr + corner,
-                    _to_accumulator(
-                        (a_top * (1.0 - fx))[:, :, None, None] * grad_out, fixed_point_scale, ACCUMULATOR, FIXED_POINT
-                    ),
-                    mask=(left & top)[:, :, None, None] & d_ok,
-                    sem="relaxed",
-                )
-                v = tl.load(value_ptr + corner + ROW, mask=(right & top)[:, :, None, None] & d_ok, other=0.0)
-                dot_tr = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
-                tl.atomic_add(
-                    grad_value_ptr + corner + ROW,
-                    _to_accumulator(
-                        (a_top * fx)[:, :, None, None] * grad_out, fixed_point_scale, ACCUMULATOR, FIXED_POINT
-                    ),
-                    mask=(right & top)[:, :, None, None] & d_ok,
-                    sem="relaxed",
-                )
-                v = tl.load(value_ptr + below, mask=(left & bottom)[:, :, None, None] & d_ok, other=0.0)
-                dot_bl = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
-                tl.atomic_add(
-                    grad_value_ptr + below,
-                    _to_accumulator(
-                        (a_bottom * (1.0 - fx))[:, :, None, None] * grad_out,
-                        fixed_point_scale,
-                        ACCUMULATOR,
-                        FIXED_POINT,
-                    ),
-                    mask=(left & bottom)[:, :, None, None] & d_ok,
-                    sem="relaxed",
-                )
-                v = tl.load(value_ptr + below + ROW, mask=(right & bottom)[:, :, None, None] & d_ok, other=0.0)
-                dot_br = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
-                tl.atomic_add(
-                    grad_value_ptr + below + ROW,
-                    _to_accumulator(
-                        (a_bottom * fx)[:, :, None, None] * grad_out, fixed_point_scale, ACCUMULATOR, FIXED_POINT
-                    ),
-                    mask=(right & bottom)[:, :, None, None] & d_ok,
-                    sem="relaxed",
-                )
-                grad_attn = (1.0 - fy) * ((1.0 - fx) * dot_tl + fx * dot_tr) + fy * ((1.0 - fx) * dot_bl + fx * dot_br)
-                # d/dx_im of the bilinear weights, then the chain rule through x_im = x * W - 0.5.
-                grad_x = ((1.0 - fy) * (dot_tr - dot_tl) + fy * (dot_br - dot_bl)) * attn * w.to(COMPUTE)
-                grad_y = ((1.0 - fx) * (dot_bl - dot_tl) + fx * (dot_br - dot_tr)) * attn * h.to(COMPUTE)
-                if SOFTMAX:
-                    tl.store(scratch_ptr + param, grad_attn.to(scratch_ptr.dtype.element_ty), mask=mask)
-                    weighted_grad += tl.where(mask, attn * grad_attn, 0.0)
-                else:
-                    tl.store(grad_attn_ptr + param, grad_attn.to(grad_attn_ptr.dtype.element_ty), mask=mask)
-                tl.store(grad_loc_ptr + 2 * param, grad_x.to(grad_loc_ptr.dtype.element_ty), mask=mask)
-                tl.store(grad_loc_ptr + 2 * param + 1, grad_y.to(grad_loc_ptr.dtype.element_ty), mask=mask)
-        if not LEVEL_STARTS:
-            start += h * w
+            attn = attn.to(COMPUTE)
+            if SOFTMAX:  # masked logits -inf: weight exactly 0
+                attn = tl.exp(attn - row_max) * row_scale
+            x0, y0, fx, fy, left, right, top, bottom = place_sample(x, y, h, w, usable, mask, COMPUTE)
+            if not SOFTMAX:  # a softmax weight is finite or NaN already (sampling.softmax_stats)
+                attn = finite_or_nan(attn)
+            corner = (level_row + (y0 * w + x0) * NUM_HEADS) * HEAD_DIM
+            corner = corner[:, :, None, None] + channel
+            below = corner + w * ROW
+            # Each corner: its value row dotted with grad_out (for the location and attention
+            # gradients), and attn * weight * grad_out scattered into grad_value. Many queries
+            # can hit one value row, so that is an atomic add; relaxed: only the sum matters.
+            # (Written out per corner: a helper taking both pointers would make torch.compile
+            # believe the kernel writes `value`.)
+            a_top = attn * (1.0 - fy)
+            a_bottom = attn * fy
+            v = tl.load(value_ptr + corner, mask=(left & top)[:, :, None, None] & d_ok, other=0.0)
+            dot_tl = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
+            tl.atomic_add(
+                grad_value_ptr + corner,
+                _to_accumulator(
+                    (a_top * (1.0 - fx))[:, :, None, None] * grad_out, fixed_point_scale, ACCUMULATOR, FIXED_POINT
+                ),
+                mask=(left & top)[:, :, None, None] & d_ok,
+                sem="relaxed",
+            )
+            v = tl.load(value_ptr + corner + ROW, mask=(right & top)[:, :, None, None] & d_ok, other=0.0)
+            dot_tr = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
+            tl.atomic_add(
+                grad_value_ptr + corner + ROW,
+                _to_accumulator(
+                    (a_top * fx)[:, :, None, None] * grad_out, fixed_point_scale, ACCUMULATOR, FIXED_POINT
+                ),
+                mask=(right & top)[:, :, None, None] & d_ok,
+                sem="relaxed",
+            )
+            v = tl.load(value_ptr + below, mask=(left & bottom)[:, :, None, None] & d_ok, other=0.0)
+            dot_bl = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
+            tl.atomic_add(
+                grad_value_ptr + below,
+                _to_accumulator(
+                    (a_bottom * (1.0 - fx))[:, :, None, None] * grad_out,
+                    fixed_point_scale,
+                    ACCUMULATOR,
+                    FIXED_POINT,
+                ),
+                mask=(left & bottom)[:, :, None, None] & d_ok,
+                sem="relaxed",
+            )
+            v = tl.load(value_ptr + below + ROW, mask=(right & bottom)[:, :, None, None] & d_ok, other=0.0)
+            dot_br = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
+            tl.atomic_add(
+                grad_value_ptr + below + ROW,
+                _to_accumulator(
+                    (a_bottom * fx)[:, :, None, None] * grad_out, fixed_point_scale, ACCUMULATOR, FIXED_POINT
+                ),
+                mask=(right & bottom)[:, :, None, None] & d_ok,
+                sem="relaxed",
+            )
+            grad_attn = (1.0 - fy) * ((1.0 - fx) * dot_tl + fx * dot_tr) + fy * ((1.0 - fx) * dot_bl + fx * dot_br)
+            # d/dx_im of the bilinear weights, then the chain rule through x_im = x * W - 0.5.
+            grad_x = ((1.0 - fy) * (dot_tr - dot_tl) + fy * (dot_br - dot_bl)) * attn * w.to(COMPUTE)
+            grad_y = ((1.0 - fx) * (dot_bl - dot_tl) + fx * (dot_br - dot_tr)) * attn * h.to(COMPUTE)
+            if SOFTMAX:
+                tl.store(scratch_ptr + param, grad_attn.to(scratch_ptr.dtype.element_ty), mask=mask)
+                weighted_grad += tl.where(mask, attn * grad_attn, 0.0)
+            else:
+                tl.store(grad_attn_ptr + param, grad_attn.to(grad_attn_ptr.dtype.element_ty), mask=mask)
+            tl.store(grad_loc_ptr + 2 * param, grad_x.to(grad_loc_ptr.dtype.element_ty), mask=mask)
+            tl.store(grad_loc_ptr + 2 * param + 1, grad_y.to(grad_loc_ptr.dtype.element_ty), mask=mask)
+        if not LEVEL_STARTS:  # the next level's first row, after the level's last step
+            start = tl.where(step % STEPS == STEPS - 1, start + h * w, start)
 
     if SOFTMAX:
         weighted_sum = tl.sum(weighted_grad, axis=0, keep_dims=True)  # [1, BLOCK_Q]

@@ -47,7 +47,7 @@ class TileConfig(NamedTuple):
     groups: int
     threads_per_row: int
     unroll_levels: int = 0  # forward: unroll the level loop when L * K is at most this
-    prefetch: bool = False  # forward: load each loop step's parameters one step ahead
+    prefetch: bool = False  # load each loop step's parameters one step ahead (the backward: at one point a group)
     bf16_pairs: bool = False  # forward: read a bfloat16 value as int32 pairs (even head_dim)
     lane_placement: bool = False  # forward: one thread of a row places each sample (`lane_placement`)
     lane_unroll: int = 1  # forward, lane placement: the row's turns unrolled this many at a time
@@ -89,7 +89,7 @@ def forward_config(num_levels: int, num_points: int, head_dim: int, value_dtype:
     to -23%, encoder -1 to -5%; `register_target` says where it applies). Its first forward and
     backward at L * K = 128 took 2.9-4.7 s on an H200 host, mostly Triton's per-process work
     (entries 29-30). bfloat16 reads the value as int32 pairs in either loop (one integer op an
-    element to float32 instead of about two).
+    element to float32 instead of about two: its encoder -4 to -6%, entry 31).
 
     Where the lane placement does not apply (float64, 64-bit indices, narrow tiles), the loop of
     entry 25: float32 and bfloat16 load each step's parameters a step ahead, float16 keeps the
@@ -110,8 +110,10 @@ def forward_config(num_levels: int, num_points: int, head_dim: int, value_dtype:
 
 def backward_config(num_levels: int, num_points: int, head_dim: int, value_dtype: torch.dtype) -> TileConfig:
     """The backward's launch rule (bench/NOTES.md, entry 13): a whole row per load and per atomic
-    (the L2 handles fewer, larger reductions better), 4 queries, points in four groups."""
-    return TileConfig(block_q=4, groups=4, threads_per_row=0)
+    (the L2 handles fewer, larger reductions better), 4 queries, points in four groups, each
+    step's parameters loaded a step ahead where a step holds one point a group (K <= 4: 0.3-1.8
+    us off the decoders, entry 31)."""
+    return TileConfig(block_q=4, groups=4, threads_per_row=0, prefetch=True)
 
 
 def compute_dtype(*tensors: Tensor):
@@ -289,6 +291,7 @@ def backward_call(
         SOFTMAX=softmax,
         FIXED_POINT=fixed_point_scale is not None,
     )
+    constexprs["PREFETCH"] = bool(config.prefetch) and constexprs["UNROLL"] == 1
     if softmax and scratch is None:
         raise ValueError("backward_call: softmax=True needs a scratch tensor")
     grid = (_cdiv(Q, constexprs["BLOCK_Q"]) * B * M,)
