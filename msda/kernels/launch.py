@@ -111,7 +111,7 @@ def forward_config(num_levels: int, num_points: int, head_dim: int, value_dtype:
 def backward_config(num_levels: int, num_points: int, head_dim: int, value_dtype: torch.dtype) -> TileConfig:
     """The backward's launch rule (bench/NOTES.md, entry 13): a whole row per load and per atomic
     (the L2 handles fewer, larger reductions better), 4 queries, points in four groups, each
-    step's parameters loaded a step ahead where a step holds one point a group (K <= 4: 0.3-1.8
+    step's parameters loaded a step ahead where a step holds one point a group (K <= 4: 0.1-1.8
     us off the decoders, entry 31)."""
     return TileConfig(block_q=4, groups=4, threads_per_row=0, prefetch=True)
 
