@@ -413,8 +413,9 @@ def msda_forward_kernel(
     LANE_UNROLL: tl.constexpr,  # with LANE_PLACEMENT: the row's turns unrolled this many at a time
 ):
     # One program: BLOCK_Q queries of one (batch, head); neighbouring programs take the next
-    # queries of the same head, so the programs that share an SM share that head's value rows
-    # in L1. The flat 1-D grid has no 65535 limit on B * M.
+    # queries of the same head, so the programs resident at one time work on few heads and
+    # every SM's L1 holds those heads' rows (bench/NOTES.md entry 32: spread over all heads, the
+    # encoder lost up to 35%). The flat 1-D grid has no 65535 limit on B * M.
     pid = tl.program_id(0)
     if INDEX_64:  # every index below derives from pid: 64-bit where a tensor passes 2**31 elements
         pid = pid.to(tl.int64)
