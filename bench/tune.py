@@ -6,7 +6,9 @@
 
 Each variant is a msda.kernels.launch.TileConfig (block_q,groups,threads_per_row[,unroll_levels
 [,prefetch[,bf16_pairs[,lane_placement[,lane_unroll[,max_registers]]]]]]; threads_per_row 0 reads a
-whole row per load), launched explicitly
+whole row per load; any field also as name=value after the positional ones, e.g.
+16,2,0,lane_placement=1,lane_unroll=2,max_registers=40, which keeps its meaning when TileConfig
+gains a field), launched explicitly
 through the same argument builders as the operator: nothing in msda is patched. Device time by
 CUDA-graph replay of the kernel launches (the backward's zeroing of grad_value included), every
 variant's output checked against the float64 reference in the same run, and the peer deformops
@@ -87,7 +89,25 @@ def profile_once(inputs, opts, dtype: torch.dtype) -> None:
 
 
 def _tiles(text: str) -> launch.TileConfig:
-    return T(*(int(n) for n in text.split(",")))
+    """A TileConfig from "Q,G,T[,more fields in order][,name=value ...]". Positional fields mean
+    what TileConfig's order says today, so a string kept from an older sweep changes meaning when
+    a field is added before its last one (bench/NOTES.md entry 31 lost a run to that); the named
+    form does not."""
+    positional, named = [], {}
+    try:
+        for item in text.split(","):
+            name, sep, value = item.partition("=")
+            if not sep:
+                if named:
+                    raise ValueError("a positional value after a named one")
+                positional.append(int(item))
+            elif name in T._fields:
+                named[name] = int(value)
+            else:
+                raise ValueError(f"no field {name!r} (TileConfig has {', '.join(T._fields)})")
+        return T(*positional, **named)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
 
 
 def _name(tile: launch.TileConfig) -> str:

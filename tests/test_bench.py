@@ -3,6 +3,7 @@ runs, the plot, and the smoke preset end to end on a CPU."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -17,7 +18,9 @@ from bench import run as bench_run
 from bench.__main__ import config_from, parse_args
 from bench.merge import merge
 from bench.timing import AGREEMENT, Timing, agree, device_events_us
+from bench.tune import _tiles
 from bench.variants import PRESETS, SMOKE, VARIANTS, Cell, _msda_autograd, _msda_op, _reference, grid_sample_msda
+from msda.kernels.launch import TileConfig
 from msda.testing import TOLERANCE, make_inputs, reference
 
 REPO = Path(__file__).resolve().parents[1]
@@ -278,3 +281,15 @@ def test_detr_preset_runs_stock_and_patched():
     rows = [line for line in result.stdout.splitlines() if line.startswith("│ inference") or line.startswith("│ training")]
     assert len(rows) == 4 and not any("failed" in row for row in rows), result.stdout
     assert all(row.rstrip("│ ").endswith("x") for row in rows), result.stdout
+
+
+def test_tune_tiles_positional_and_named():
+    """bench.tune's tile strings: positional fields in TileConfig's order, then name=value ones;
+    anything else is an argparse error naming the string."""
+    assert _tiles("16,2,0") == TileConfig(16, 2, 0)
+    assert _tiles("16,2,0,0,1,1,1,2,40") == TileConfig(16, 2, 0, 0, True, True, True, 2, 40)
+    named = _tiles("16,2,0,lane_placement=1,lane_unroll=2,max_registers=40")
+    assert named == TileConfig(16, 2, 0, lane_placement=True, lane_unroll=2, max_registers=40)
+    for bad in ("16,2,0,lanes=1", "16,2,lane_unroll=2,0", "16,x,0", "16,2,0,block_q=8", "16"):
+        with pytest.raises(argparse.ArgumentTypeError, match=bad):
+            _tiles(bad)
