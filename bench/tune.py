@@ -31,7 +31,13 @@ import argparse
 import torch
 
 from msda.kernels import launch
-from msda.kernels.backward import grad_value_accumulator_dtype, msda_backward_kernel
+from msda.kernels.backward import (
+    SAMPLES_PER_REPLICA,
+    grad_value_accumulator_dtype,
+    msda_backward_kernel,
+    msda_fold_replicas_kernel,
+    replica_rows,
+)
 from msda.kernels.forward import msda_forward_kernel
 from msda.testing import PRESETS, make_inputs, reference, reference_with_grads, relative_error
 
@@ -52,20 +58,33 @@ def forward_launch(inputs, tile: launch.TileConfig):
     return lambda: msda_forward_kernel[grid](*args, **constexprs), out
 
 
-def backward_launch(inputs, grad_output, tile: launch.TileConfig, accumulator: torch.dtype | None = None):
-    """(a callable zeroing grad_value and launching the backward kernel with `tile`, its three
-    gradient buffers); grad_value accumulates in `accumulator` (default: the operator's rule)."""
+def backward_launch(inputs, grad_output, tile: launch.TileConfig, accumulator: torch.dtype | None = None,
+                    replicas: bool | None = None):
+    """(a callable zeroing grad_value and launching the backward kernel with `tile`, then the fold
+    of the replicas, its three gradient buffers); grad_value accumulates in `accumulator`, with
+    replicas of the dense levels or without (default: the operator's rules)."""
     value, shapes, starts, loc, attn = inputs.args()
     B, S, M, D = value.shape
     Q, L, K = loc.shape[1], loc.shape[3], loc.shape[4]
-    accumulator = accumulator or grad_value_accumulator_dtype(value.dtype, value.device, Q, S, L, K)
+    accumulator = accumulator or grad_value_accumulator_dtype(value.dtype, value.device)
+    rows = replica_rows(accumulator, Q, S, L, K) if replicas is not False else None
+    if replicas and rows is None:
+        rows = max(1, min(Q * L * K // SAMPLES_PER_REPLICA.value, S // 2))
     grads = (torch.zeros(value.shape, dtype=accumulator, device=value.device), torch.empty_like(loc),
              torch.empty_like(attn))  # fmt: skip
-    grid, args, constexprs = launch.backward_call(grad_output, value, shapes, starts, loc, attn, *grads, tile)
+    copies = None if rows is None else torch.zeros(B, rows, M, D, dtype=accumulator, device=value.device)
+    grid, args, constexprs = launch.backward_call(grad_output, value, shapes, starts, loc, attn, *grads, tile,
+                                                  replicas=copies)  # fmt: skip
+    if copies is not None:
+        fold_grid, fold_args, fold_constexprs = launch.fold_call(grads[0], copies, shapes, starts, Q, K)
 
     def run():
         grads[0].zero_()
+        if copies is not None:
+            copies.zero_()
         msda_backward_kernel[grid](*args, **constexprs)
+        if copies is not None:
+            msda_fold_replicas_kernel[fold_grid](*fold_args, **fold_constexprs)
 
     return run, grads
 

@@ -21,12 +21,18 @@ from . import ops, torch_impl, validation
 
 if ops.HAS_TRITON:
     from .kernels import launch
-    from .kernels.backward import finish_grad_value, grad_value_buffer, msda_backward_kernel
+    from .kernels.backward import (
+        finish_grad_value,
+        grad_value_buffer,
+        msda_backward_kernel,
+        msda_fold_replicas_kernel,
+    )
     from .kernels.direct import DirectLauncher
     from .kernels.forward import msda_forward_kernel
 
     _forward_kernel = DirectLauncher(msda_forward_kernel)
     _backward_kernel = DirectLauncher(msda_backward_kernel)
+    _fold_kernel = DirectLauncher(msda_fold_replicas_kernel)
 
 _FLOATS = frozenset(validation.FLOAT_DTYPES)
 _INDICES = frozenset(validation.INDEX_DTYPES)
@@ -165,7 +171,7 @@ def launch_backward(
         grad_output = grad_output.contiguous()
     B, S, M, D = value.shape
     _, Q, _, L, K, _ = sampling_locations.shape
-    grad_value, fixed_point_scale = grad_value_buffer(
+    grad_value, fixed_point_scale, replicas = grad_value_buffer(
         value, grad_output, None if softmax else attention_weights, Q, L, K
     )
     grad_loc = torch.empty(sampling_locations.shape, dtype=sampling_locations.dtype, device=value.device)
@@ -180,8 +186,12 @@ def launch_backward(
         grid, args, constexprs = launch.backward_call(
             grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
             grad_value, grad_loc, grad_attn, softmax=softmax, scratch=scratch, fixed_point_scale=fixed_point_scale,
+            replicas=replicas,
         )  # fmt: skip
         _launch(_backward_kernel, grid, args, constexprs, value.device)
+        if replicas is not None:
+            grid, args, constexprs = launch.fold_call(grad_value, replicas, spatial_shapes, level_start_index, Q, K)
+            _launch(_fold_kernel, grid, args, constexprs, value.device)
     return finish_grad_value(grad_value, fixed_point_scale, value.dtype), grad_loc, grad_attn
 
 

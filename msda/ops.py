@@ -28,7 +28,12 @@ try:
     import triton  # noqa: F401
 
     from .kernels import launch
-    from .kernels.backward import finish_grad_value, grad_value_buffer, msda_backward_kernel
+    from .kernels.backward import (
+        finish_grad_value,
+        grad_value_buffer,
+        msda_backward_kernel,
+        msda_fold_replicas_kernel,
+    )
     from .kernels.forward import msda_forward_kernel
 
     HAS_TRITON = True
@@ -144,7 +149,7 @@ def _launch_backward(
     their gradient."""
     _, Q, _, L, K, _ = sampling_locations.shape
     # Softmax weights are at most 1: the fixed-point bound needs no max over the logits.
-    grad_value, fixed_point_scale = grad_value_buffer(
+    grad_value, fixed_point_scale, replicas = grad_value_buffer(
         value, grad_output, None if softmax else attention_weights, Q, L, K
     )
     # Every element of these two is written by exactly one program: no zeroing needed.
@@ -174,10 +179,16 @@ def _launch_backward(
             softmax=softmax,
             scratch=scratch,
             fixed_point_scale=fixed_point_scale,
+            replicas=replicas,
         )
         with _on_device(value.device):
             kernel, kwargs = launch.traceable(msda_backward_kernel, constexprs)
             wrap_triton(kernel)[grid](*args, **kwargs)
+            if replicas is not None:
+                grid, args, constexprs = launch.fold_call(
+                    grad_value, replicas, spatial_shapes.contiguous(), level_start_index.contiguous(), Q, K
+                )
+                wrap_triton(msda_fold_replicas_kernel)[grid](*args, **constexprs)
     return finish_grad_value(grad_value, fixed_point_scale, value.dtype), grad_loc, grad_attn
 
 

@@ -119,6 +119,8 @@ EDGE_CASES = [
     EdgeCase("head-dim-256", Shape(1, 3, 1, 256, ((3, 4), (2, 2)), 2), outside_fraction=0.2),
     EdgeCase("16-heads", Shape(1, 2, 16, 8, ((3, 4), (2, 2)), 2), outside_fraction=0.2),
     EdgeCase("query-blocks", Shape(1, 70, 1, 4, ((3, 4),), 2), outside_fraction=0.2),  # > one BLOCK_Q
+    # 70 samples a pixel on the 1 x 2 level: the backward spreads them over replicas of its rows.
+    EdgeCase("dense-level", Shape(2, 70, 2, 4, ((3, 4), (1, 2)), 2), outside_fraction=0.2),
     EdgeCase("non-contiguous", BASE, outside_fraction=0.3, views=True),
     EdgeCase("expanded-grad-output", BASE, outside_fraction=0.3, expanded_grad=True),
     EdgeCase("edges", BASE, special="edges"),

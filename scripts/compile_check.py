@@ -46,7 +46,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from msda.kernels import launch  # noqa: E402
-from msda.kernels.backward import msda_backward_kernel  # noqa: E402
+from msda.kernels.backward import msda_backward_kernel, msda_fold_replicas_kernel  # noqa: E402
 from msda.kernels.forward import msda_forward_kernel  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -54,7 +54,7 @@ HOPPER = GPUTarget("cuda", 90, 32)
 DTYPES = {
     "float32": (torch.float32, torch.float32, torch.float32),
     "float16": (torch.float16, torch.float32, torch.float16),
-    "bfloat16": (torch.bfloat16, torch.bfloat16, torch.float32),
+    "bfloat16": (torch.bfloat16, torch.bfloat16, torch.bfloat16),
     "float64": (torch.float64, torch.float64, torch.float64),
 }
 # The preset, and shapes that crashed triton 3.6 once (bench/NOTES.md entries 8, 10 and 12).
@@ -68,11 +68,18 @@ COMPILE_SECONDS = 60.0
 LAUNCH_OPTIONS = ("num_warps", "maxnreg")  # in a call's constexprs, compile options rather than arguments
 TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
                 torch.int32: "i32", torch.int64: "i64"}
-# What torch.compile must see each kernel write: (kernel, softmax) -> argument names.
+# What torch.compile must see each kernel write: (kernel, softmax) -> argument names; a
+# backward with REPLICAS writes replica_ptr besides.
 OUTPUTS = {("msda_forward_kernel", False): ["out_ptr"],
            ("msda_forward_kernel", True): ["out_ptr"],
            ("msda_backward_kernel", False): ["grad_value_ptr", "grad_loc_ptr", "grad_attn_ptr"],
-           ("msda_backward_kernel", True): ["grad_value_ptr", "grad_loc_ptr", "grad_attn_ptr", "scratch_ptr"]}
+           ("msda_backward_kernel", True): ["grad_value_ptr", "grad_loc_ptr", "grad_attn_ptr", "scratch_ptr"],
+           ("msda_fold_replicas_kernel", False): ["grad_value_ptr"],
+           ("msda_fold_replicas_kernel", True): ["grad_value_ptr"]}
+
+
+def outputs(kernel, constexprs: dict, softmax: bool) -> list[str]:
+    return sorted(OUTPUTS[kernel.__name__, softmax] + (["replica_ptr"] if constexprs.get("REPLICAS") else []))
 
 
 def kernel_calls(
@@ -81,8 +88,9 @@ def kernel_calls(
 ):
     """(kernel, positional arguments, constexprs) of the forward and the backward, as the
     operator builds them, on tiny CPU tensors; softmax: the softmax operators' calls (the
-    backward with a scratch of its own, as msda::backward_softmax passes it); fixed_point: the
-    deterministic mode's backward too (int64 grad_value; not for float64, which never runs it)."""
+    backward with a scratch of its own, as msda::backward_softmax passes it), the backward with
+    replicas of dense levels and the kernel folding them; fixed_point: the deterministic mode's
+    backward too (int64 grad_value; not for float64, which never runs it)."""
     value_dtype, loc_dtype, accumulator = DTYPES[dtype]
     B, S, M, Q = 1, 3, 2, 2
     value = torch.zeros(B, S, M, head_dim, dtype=value_dtype)
@@ -104,6 +112,14 @@ def kernel_calls(
                 out, value, shapes, starts, loc, attn, grad_value, torch.zeros_like(loc), torch.zeros_like(attn),
                 softmax=softmax, scratch=scratch,
             )[1:]),
+        ]  # fmt: skip
+        replicas = torch.zeros(B, 2, M, head_dim, dtype=accumulator)
+        calls += [
+            (msda_backward_kernel, *launch.backward_call(
+                out, value, shapes, starts, loc, attn, grad_value, torch.zeros_like(loc), torch.zeros_like(attn),
+                softmax=softmax, scratch=scratch, replicas=replicas,
+            )[1:]),
+            (msda_fold_replicas_kernel, *launch.fold_call(grad_value, replicas, shapes, starts, Q, points)[1:]),
         ]  # fmt: skip
         if fixed_point and dtype != "float64":
             calls.append((msda_backward_kernel, *launch.backward_call(
@@ -217,7 +233,7 @@ def main() -> int:
                         raise AssertionError(f"compiled in {seconds:.0f} s, over the {COMPILE_SECONDS:.0f} s bound")
                     continue
                 written = written_arguments(kernel, args, constexprs)
-                if written != sorted(OUTPUTS[kernel.__name__, softmax]):
+                if written != outputs(kernel, constexprs, softmax):
                     raise AssertionError(f"torch.compile believes it writes {written}")
             except Exception as error:  # report every failing case, not just the first
                 failures += 1

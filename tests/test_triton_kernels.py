@@ -8,7 +8,7 @@ from msda import ops
 from msda.kernels import backward as backward_kernel
 from msda.kernels import forward as forward_kernel
 from msda.kernels import launch
-from msda.testing import Shape, make_inputs
+from msda.testing import Shape, make_inputs, reference
 
 from .helpers import assert_matches_reference, forward_backward, random_like_output
 
@@ -43,16 +43,57 @@ def test_mixed_precision(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_grad_value_accumulator(dtype):
-    """Both accumulators meet the bounds: native half atomics where the rule picks them (float16
-    on sparse samples; the interpreter has no bfloat16 atomic add), float32 otherwise."""
+    """Both accumulators meet the bounds, sparse samples and dense: native half atomics (float16;
+    the interpreter has no bfloat16 atomic add), else float32."""
     device = torch.device(DEVICE)
-    for shape, sparse in ((SPARSE, True), (SHAPE, False)):
-        picked = backward_kernel.grad_value_accumulator_dtype(
-            dtype, device, shape.queries, shape.num_values, len(shape.levels), shape.points
-        )
-        native_expected = sparse and (dtype == torch.float16 or device.type == "cuda")
-        assert picked == (dtype if native_expected else torch.float32)
+    picked = backward_kernel.grad_value_accumulator_dtype(dtype, device)
+    assert picked == (dtype if dtype == torch.float16 or device.type == "cuda" else torch.float32)
+    for shape in (SPARSE, SHAPE, DENSE):
         check(make_inputs(shape, dtype, DEVICE, seed=23))
+
+
+# Dense samples on a small pyramid: 60 queries x 2 points on the 1 x 2 level are 60 samples a
+# pixel, so its adds spread over 3 copies of its rows (`level_replicas`); the others have none.
+DENSE = Shape(batch=2, queries=60, heads=2, head_dim=6, levels=((6, 5), (3, 3), (1, 2)), points=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("given_starts", [True, False], ids=["starts", "summed"])
+def test_replicas_of_dense_levels(dtype, given_starts):
+    """The backward kernel spreads a dense level's adds over replicas of its rows and the fold
+    kernel adds them back: the gradients of the plain kernel, whatever room the replica buffer
+    leaves (1 row: none fit; 3: two copies of the 2-pixel level; the rule's rows: all three),
+    with level_start_index and with the level sizes summed in the kernels."""
+    inputs = make_inputs(DENSE, dtype, DEVICE, outside_fraction=0.25, seed=31)
+    grad_output = random_like_output(inputs)
+    value, shapes, starts, loc, attn = inputs.args()
+    starts = starts if given_starts else None
+    B, S, M, D = value.shape
+    Q, L, K = DENSE.queries, len(DENSE.levels), DENSE.points
+    rule_rows = backward_kernel.replica_rows(torch.float16, Q, S, L, K)  # the rows of a half accumulator
+    assert backward_kernel.replica_rows(torch.float32, Q, S, L, K) is None
+    assert backward_kernel.replica_rows(torch.float16, SPARSE.queries, SPARSE.num_values, 1, SPARSE.points) is None
+    accumulator = backward_kernel.grad_value_accumulator_dtype(dtype, torch.device(DEVICE))
+    results = {}
+    for rows in (None, 1, 3, rule_rows):
+        grad_value = torch.zeros(value.shape, dtype=accumulator, device=DEVICE)
+        grad_loc, grad_attn = torch.empty_like(loc), torch.empty_like(attn)
+        replicas = None if rows is None else torch.zeros(B, rows, M, D, dtype=accumulator, device=DEVICE)
+        grid, args, constexprs = launch.backward_call(
+            grad_output, value, shapes, starts, loc, attn, grad_value, grad_loc, grad_attn, replicas=replicas
+        )
+        backward_kernel.msda_backward_kernel[grid](*args, **constexprs)
+        if replicas is not None:
+            # Rows of replicas written: the 1 x 2 level's copies, as many as fit.
+            written = int((replicas != 0).any(dim=3).any(dim=2).sum(dim=1).max())
+            assert written == {1: 0, 3: 2, rule_rows: 4}[rows], (rows, written)
+            grid, args, constexprs = launch.fold_call(grad_value, replicas, shapes, starts, Q, K)
+            backward_kernel.msda_fold_replicas_kernel[grid](*args, **constexprs)
+        results[rows] = (grad_value.to(dtype), grad_loc, grad_attn)
+    out = reference(value, shapes, loc, attn)
+    for rows, grads in results.items():
+        assert_matches_reference(inputs, (out.to(dtype), *grads), grad_output)
+    assert torch.equal(results[None][1], results[rule_rows][1])  # the other gradients: untouched
 
 
 def test_int64_indices(monkeypatch):

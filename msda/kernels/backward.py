@@ -1,5 +1,6 @@
-"""The MSDA backward kernel (all three gradients in one pass) and the
-rule that picks the dtype `grad_value` is accumulated in."""
+"""The MSDA backward kernel (all three gradients in one pass), the kernel that folds the
+replicas of dense levels back into grad_value, and the rules that pick the dtype grad_value is
+accumulated in and the replicas' size."""
 
 import torch
 import triton
@@ -10,7 +11,7 @@ from .sampling import finite_or_nan, level_ok, place_sample, softmax_stats
 
 # Sizes and strides vary with the image: not specialized (see forward.py).
 @triton.jit(
-    do_not_specialize=["grad_out_stride_b", "grad_out_stride_q", "num_queries", "num_values"]
+    do_not_specialize=["grad_out_stride_b", "grad_out_stride_q", "num_queries", "num_values", "replica_rows"]
 )
 def msda_backward_kernel(
     grad_out_ptr,  # (B, Q, M * D), channels contiguous, any other strides (an expanded one has 0)
@@ -22,12 +23,14 @@ def msda_backward_kernel(
     loc_ptr,  # (B, Q, M, L, K, 2), contiguous
     attn_ptr,  # (B, Q, M, L, K), contiguous: the weights, or with SOFTMAX the logits
     grad_value_ptr,  # (B, S, M, D) zeros: value's dtype, the float32 accumulator, or int64 (FIXED_POINT)
+    replica_ptr,  # with REPLICAS: (B, replica_rows, M, D) zeros like grad_value (`level_replicas`); else unused
     fixed_point_scale_ptr,  # with FIXED_POINT: the float32 scale of grad_value's integers; else unused
     grad_loc_ptr,  # like loc
     grad_attn_ptr,  # like attn
     scratch_ptr,  # with SOFTMAX: (B, Q, M, L, K) in COMPUTE, may be grad_attn itself; else unused
     num_queries,
     num_values,
+    replica_rows,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_LEVELS: tl.constexpr,
@@ -43,16 +46,18 @@ def msda_backward_kernel(
     SOFTMAX: tl.constexpr,  # attn_ptr holds logits: weights are their softmax, grad_attn is d/d logits
     FIXED_POINT: tl.constexpr,  # grad_value sums integers (deterministic mode): see fixed_point_scale
     PREFETCH: tl.constexpr,  # load each step's parameters one step ahead (UNROLL 1)
+    REPLICAS: tl.constexpr,  # spread the adds of dense levels over replicas of their rows
 ):
     # The forward's program layout and tile (msda/kernels/forward.py explains both).
     pid = tl.program_id(0)
     if INDEX_64:  # every index below derives from pid: 64-bit where a tensor passes 2**31 elements
         pid = pid.to(tl.int64)
     num_q_blocks = tl.cdiv(num_queries, BLOCK_Q)
+    q_block = pid % num_q_blocks
     bm = pid // num_q_blocks
     b = bm // NUM_HEADS
     m = bm % NUM_HEADS
-    q = (pid % num_q_blocks) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    q = q_block * BLOCK_Q + tl.arange(0, BLOCK_Q)
     q_ok = (q < num_queries)[None, :]
     group = tl.arange(0, GROUPS)[:, None]
     channel = tl.arange(0, BLOCK_D // CHUNK)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
@@ -93,6 +98,7 @@ def msda_backward_kernel(
     STEPS: tl.constexpr = (NUM_POINTS + GROUPS * UNROLL - 1) // (GROUPS * UNROLL)  # a level's steps
     MASKED_WEIGHT: tl.constexpr = float("-inf") if SOFTMAX else 0.0  # a masked logit's softmax weight is 0
     start = b * 0  # the level's first row, in the index dtype
+    used = b * 0  # replica rows (a batch) taken by the levels before
     if PREFETCH:  # step 0: level 0, point `group`
         tl.static_assert(UNROLL == 1, "the backward prefetches one point a group a step")
         mask = (group < NUM_POINTS) & q_ok
@@ -107,6 +113,15 @@ def msda_backward_kernel(
             start = tl.load(starts_ptr + level).to(b.dtype)
         usable = level_ok(h, w, start, num_values)
         level_row = (b * num_values + start) * NUM_HEADS + m
+        # grad_value is summed at accumulator + corner (corner: the value element's offset), in
+        # grad_value itself or, on a level with replicas, in the program's replica of its rows.
+        accumulator = grad_value_ptr
+        if REPLICAS:
+            replicas, area = level_replicas(h, w, used, num_queries, replica_rows, NUM_POINTS)
+            replica = q_block % replicas
+            if replica > 0:
+                replica_row = (b * replica_rows + used + (replica - 1) * area) * NUM_HEADS + m
+                accumulator = replica_ptr + (replica_row - level_row) * HEAD_DIM
         if PREFETCH:
             attn_now, x_now, y_now = next_attn, next_x, next_y
             following = step + 1
@@ -145,7 +160,7 @@ def msda_backward_kernel(
             v = tl.load(value_ptr + corner, mask=(left & top)[:, :, None, None] & d_ok, other=0.0)
             dot_tl = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
             tl.atomic_add(
-                grad_value_ptr + corner,
+                accumulator + corner,
                 _to_accumulator(
                     (a_top * (1.0 - fx))[:, :, None, None] * grad_out, fixed_point_scale, ACCUMULATOR, FIXED_POINT
                 ),
@@ -155,7 +170,7 @@ def msda_backward_kernel(
             v = tl.load(value_ptr + corner + ROW, mask=(right & top)[:, :, None, None] & d_ok, other=0.0)
             dot_tr = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
             tl.atomic_add(
-                grad_value_ptr + corner + ROW,
+                accumulator + corner + ROW,
                 _to_accumulator(
                     (a_top * fx)[:, :, None, None] * grad_out, fixed_point_scale, ACCUMULATOR, FIXED_POINT
                 ),
@@ -165,7 +180,7 @@ def msda_backward_kernel(
             v = tl.load(value_ptr + below, mask=(left & bottom)[:, :, None, None] & d_ok, other=0.0)
             dot_bl = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
             tl.atomic_add(
-                grad_value_ptr + below,
+                accumulator + below,
                 _to_accumulator(
                     (a_bottom * (1.0 - fx))[:, :, None, None] * grad_out,
                     fixed_point_scale,
@@ -178,7 +193,7 @@ def msda_backward_kernel(
             v = tl.load(value_ptr + below + ROW, mask=(right & bottom)[:, :, None, None] & d_ok, other=0.0)
             dot_br = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
             tl.atomic_add(
-                grad_value_ptr + below + ROW,
+                accumulator + below + ROW,
                 _to_accumulator(
                     (a_bottom * fx)[:, :, None, None] * grad_out, fixed_point_scale, ACCUMULATOR, FIXED_POINT
                 ),
@@ -198,6 +213,8 @@ def msda_backward_kernel(
             tl.store(grad_loc_ptr + 2 * param + 1, grad_y.to(grad_loc_ptr.dtype.element_ty), mask=mask)
         if not LEVEL_STARTS:  # the next level's first row, after the level's last step
             start = tl.where(step % STEPS == STEPS - 1, start + h * w, start)
+        if REPLICAS:
+            used = tl.where(step % STEPS == STEPS - 1, used + (replicas - 1) * area, used)
 
     if SOFTMAX:
         weighted_sum = tl.sum(weighted_grad, axis=0, keep_dims=True)  # [1, BLOCK_Q]
@@ -225,35 +242,126 @@ def _to_accumulator(contribution, fixed_point_scale, ACCUMULATOR: tl.constexpr, 
     return contribution.to(ACCUMULATOR)
 
 
-# Half-precision atomics round at every add. That costs nothing where few samples land on each
-# value row (the decoder: Q*L*K = 4,800 samples over S = 22,223 rows per (batch, head)) and
-# misses the accuracy bounds where many do (the encoder: 16 samples a row on average, hundreds on
-# the coarsest level). So float16/bfloat16 gradients accumulate in a float32 buffer, cast at
-# the end, unless the samples of a (batch, head) are at most this fraction of its value rows.
-HALF_ATOMICS_MAX_SAMPLES_PER_ROW = 0.25
+# Where many samples land on one value row, their atomic adds queue at the same L2 addresses,
+# and in half precision each add rounds: the coarsest level of the encoder preset gets 326
+# samples a pixel (about 1,300 adds a row), and summing that in float16 misses the accuracy
+# bound (grad_value 2.9e-3 against 2e-3; bfloat16 2.2e-2 against 1.6e-2). So a level with more
+# than SAMPLES_PER_REPLICA samples a pixel (Q * K / (H * W)) is summed into several replicas of
+# its rows, each program into one (its query block's number modulo their count), and a second
+# kernel folds the replicas into grad_value. Each replica sums about SAMPLES_PER_REPLICA samples
+# a pixel, as a level of 21 does without any (level 1 of the encoder), and the adds spread over
+# more addresses. On the H200 the float16 encoder backward with replicas took 587 us with
+# grad_value 1.3e-3 off, against 606 us and 2.9e-3 without them, and 897 us and 2.1e-4 with a
+# float32 accumulator, as before (bfloat16: 588, 622 and 888 us; 9.8e-3, 2.2e-2 and 1.7e-3;
+# `python -m bench.accumulator`, bench/NOTES.md entry 33).
+SAMPLES_PER_REPLICA = tl.constexpr(24)
 
 
-def grad_value_accumulator_dtype(
-    value_dtype: torch.dtype,
-    device: torch.device,
-    num_queries: int,
-    num_values: int,
-    num_levels: int,
-    num_points: int,
-) -> torch.dtype:
-    """The dtype of the buffer the backward kernel scatters grad_value into."""
-    if value_dtype in (torch.float32, torch.float64):
-        return value_dtype
-    sparse = num_queries * num_levels * num_points <= HALF_ATOMICS_MAX_SAMPLES_PER_ROW * num_values
-    if not sparse:
-        return torch.float32
+@triton.jit
+def level_replicas(h, w, used, num_queries, replica_rows, NUM_POINTS: tl.constexpr):
+    """(count, area): how many copies of an h x w level's rows its adds are spread over (1: only
+    grad_value's own), and h * w (at least 1). The copies after the first take (count - 1) * area
+    rows of the replica buffer from row `used` on; a level gets fewer where the buffer's
+    `replica_rows` run out (finest level first), never more than fit."""
+    area = tl.maximum(h * w, 1)
+    wanted = tl.cdiv(tl.cdiv(num_queries * NUM_POINTS, area), SAMPLES_PER_REPLICA)
+    room = 1 + (replica_rows - used) // area
+    return tl.maximum(tl.minimum(wanted, room), 1), area
+
+
+@triton.jit(do_not_specialize=["num_queries", "num_values", "replica_rows"])
+def msda_fold_replicas_kernel(
+    grad_value_ptr,  # (B, S, M, D), as the backward kernel left it
+    replica_ptr,  # (B, replica_rows, M, D), as the backward kernel left it
+    shapes_ptr,  # (L, 2)
+    starts_ptr,  # (L,), read if LEVEL_STARTS
+    num_queries,
+    num_values,
+    replica_rows,
+    NUM_LEVELS: tl.constexpr,
+    NUM_POINTS: tl.constexpr,
+    ROW: tl.constexpr,  # M * D: a pixel's elements, every head
+    BLOCK_ROW: tl.constexpr,  # ROW's next power of two
+    BLOCK_PIXELS: tl.constexpr,
+    INDEX_64: tl.constexpr,
+    LEVEL_STARTS: tl.constexpr,
+):
+    """grad_value += the sum of each replica of a level's rows: a program takes BLOCK_PIXELS
+    pixels of one level of one batch (the grid covers replica_rows pixels a level: no level with
+    replicas has more), for every head."""
+    pid = tl.program_id(0)
+    if INDEX_64:
+        pid = pid.to(tl.int64)
+    num_blocks = tl.cdiv(replica_rows, BLOCK_PIXELS)
+    first_pixel = (pid % num_blocks) * BLOCK_PIXELS
+    level = (pid // num_blocks) % NUM_LEVELS
+    b = pid // num_blocks // NUM_LEVELS
+    # The levels before this one: the replica rows they took, and where this one starts.
+    used = b * 0
+    start = b * 0
+    for before in tl.static_range(NUM_LEVELS - 1):
+        if before < level:
+            h = tl.load(shapes_ptr + 2 * before).to(b.dtype)
+            w = tl.load(shapes_ptr + 2 * before + 1).to(b.dtype)
+            replicas, area = level_replicas(h, w, used, num_queries, replica_rows, NUM_POINTS)
+            used += (replicas - 1) * area
+            start += h * w
+    h = tl.load(shapes_ptr + 2 * level).to(b.dtype)
+    w = tl.load(shapes_ptr + 2 * level + 1).to(b.dtype)
+    if LEVEL_STARTS:
+        start = tl.load(starts_ptr + level).to(b.dtype)
+    replicas, area = level_replicas(h, w, used, num_queries, replica_rows, NUM_POINTS)
+    # The backward kernel added nothing on an unusable level, and nothing past its area.
+    if level_ok(h, w, start, num_values) & (replicas > 1) & (first_pixel < area):
+        pixel = first_pixel + tl.arange(0, BLOCK_PIXELS)[:, None]
+        element = tl.arange(0, BLOCK_ROW)[None, :]
+        mask = (pixel < area) & (element < ROW)
+        total = tl.zeros([BLOCK_PIXELS, BLOCK_ROW], dtype=tl.float32)
+        replica = used * 0 + 1  # a while loop: the interpreter's range takes no loaded bound
+        while replica < replicas:
+            row = b * replica_rows + used + (replica - 1) * area + pixel
+            total += tl.load(replica_ptr + row * ROW + element, mask=mask, other=0.0).to(tl.float32)
+            replica += 1
+        # An atomic add, not a store: levels may overlap (only MSDA_VALIDATE rules that out).
+        tl.atomic_add(
+            grad_value_ptr + (b * num_values + start + pixel) * ROW + element,
+            total.to(grad_value_ptr.dtype.element_ty),
+            mask=mask,
+            sem="relaxed",
+        )
+
+
+def grad_value_accumulator_dtype(value_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype of the buffer the backward kernel scatters grad_value into: value's own, but
+    float32 for bfloat16 where its atomic add is emulated (before sm_90: a compare-and-swap loop)
+    or missing (the interpreter, on the CPU)."""
     if value_dtype == torch.bfloat16 and (
         device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0)
     ):
-        # Before sm_90 a bfloat16 atomic add is emulated with a compare-and-swap loop, and the
-        # interpreter (CPU) has none at all.
         return torch.float32
     return value_dtype
+
+
+# Where a (batch, head) has at most this many samples a value row, the replicas' buffer and the
+# fold are skipped (two launches, a few microseconds against the decoder's 40): there (Q * L * K
+# = 4,800 samples over S = 22,223 rows at the decoder preset) no level of a feature pyramid
+# reaches SAMPLES_PER_REPLICA samples a pixel (the decoder's coarsest has 4.4). A pyramid with a
+# level of a few pixels under thousands of queries would, and sums it unreplicated.
+REPLICAS_MIN_SAMPLES_PER_ROW = 0.25
+
+
+def replica_rows(accumulator: torch.dtype, num_queries, num_values, num_levels: int, num_points: int):
+    """Rows a batch of the replica buffer, at least 1 (None: no replicas: float32 and float64
+    accumulators add exactly enough, and a float32 encoder backward ran 902 us with them against
+    890 without, entry 33; or the samples are sparse). A level's replicas
+    take at most Q * K / SAMPLES_PER_REPLICA rows (`level_replicas`), so L times that always
+    suffices; but at most S / 2 (levels past that get fewer replicas), for memory: in half
+    precision grad_value and its replicas together should stay near a float32 grad_value's size.
+    Takes SymInts: no branch on the image size but the sparse one."""
+    samples = num_queries * num_levels * num_points
+    if accumulator not in (torch.float16, torch.bfloat16) or samples <= REPLICAS_MIN_SAMPLES_PER_ROW * num_values:
+        return None
+    return torch.sym_max(1, torch.sym_min(samples // SAMPLES_PER_REPLICA.value, num_values // 2))
 
 
 # The deterministic mode (torch.use_deterministic_algorithms(True)) sums grad_value in 64-bit
@@ -301,17 +409,20 @@ def grad_value_buffer(
     num_queries: int,
     num_levels: int,
     num_points: int,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(zeros the kernel scatters grad_value into, fixed-point scale or None). Under
-    torch.use_deterministic_algorithms(True): int64 and its scale (attention_weights None: softmax
-    weights, at most 1); else `grad_value_accumulator_dtype`'s dtype."""
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(zeros the kernel scatters grad_value into, fixed-point scale or None, zeros for the
+    replicas of dense levels or None). Under torch.use_deterministic_algorithms(True): int64 and
+    its scale (attention_weights None: softmax weights, at most 1), no replicas; else
+    `grad_value_accumulator_dtype`'s dtype, with replicas where `replica_rows` asks for them."""
     if torch.are_deterministic_algorithms_enabled():
         scale = fixed_point_scale(grad_output, attention_weights, num_queries * num_levels * num_points)
-        return torch.zeros(value.shape, dtype=torch.int64, device=value.device), scale
-    dtype = grad_value_accumulator_dtype(
-        value.dtype, value.device, num_queries, value.shape[1], num_levels, num_points
-    )
-    return torch.zeros(value.shape, dtype=dtype, device=value.device), None
+        return torch.zeros(value.shape, dtype=torch.int64, device=value.device), scale, None
+    dtype = grad_value_accumulator_dtype(value.dtype, value.device)
+    buffer = torch.zeros(value.shape, dtype=dtype, device=value.device)
+    B, S, M, D = value.shape
+    rows = replica_rows(dtype, num_queries, S, num_levels, num_points)
+    replicas = None if rows is None else torch.zeros((B, rows, M, D), dtype=dtype, device=value.device)
+    return buffer, None, replicas
 
 
 def finish_grad_value(buffer: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

@@ -264,6 +264,7 @@ def backward_call(
     softmax: bool = False,
     scratch: Tensor | None = None,
     fixed_point_scale: Tensor | None = None,
+    replicas: Tensor | None = None,
 ) -> tuple[tuple[int], tuple, dict]:
     """(grid, positional arguments, constexpr arguments) of msda_backward_kernel; grad_output's
     channels must be contiguous (its other strides may be anything, 0 included), the other
@@ -274,7 +275,10 @@ def backward_call(
     may be grad_attn itself when that has the compute dtype.
 
     fixed_point_scale (the deterministic mode, `backward.fixed_point_scale`): grad_value is int64
-    zeros, summed in fixed point; `backward.from_fixed_point` converts it."""
+    zeros, summed in fixed point; `backward.from_fixed_point` converts it.
+
+    replicas (`backward.grad_value_buffer`): zeros like grad_value, (B, rows, M, D), that dense
+    levels are summed into besides grad_value; `fold_call`'s kernel then adds them to grad_value."""
     B, S, M, D = value.shape
     _, Q, _, L, K, _ = sampling_locations.shape
     L, K, M, D = int(L), int(K), int(M), int(D)
@@ -290,6 +294,7 @@ def backward_call(
         LEVEL_STARTS=level_start_index is not None,
         SOFTMAX=softmax,
         FIXED_POINT=fixed_point_scale is not None,
+        REPLICAS=replicas is not None,
     )
     constexprs["PREFETCH"] = bool(config.prefetch) and constexprs["UNROLL"] == 1
     if softmax and scratch is None:
@@ -305,6 +310,7 @@ def backward_call(
         sampling_locations,
         attention_weights,
         grad_value,
+        spatial_shapes if replicas is None else replicas,  # unread if None
         spatial_shapes if fixed_point_scale is None else fixed_point_scale,  # unread if None
         grad_loc,
         grad_attn,
@@ -313,5 +319,47 @@ def backward_call(
         scratch if softmax else attention_weights,
         Q,
         S,
+        0 if replicas is None else replicas.shape[1],
+    )
+    return grid, args, constexprs
+
+
+FOLD_TILE_ELEMENTS = 2048  # a fold program's pixels times their M * D elements (rounded up to a power of 2)
+
+
+def fold_call(
+    grad_value: Tensor,
+    replicas: Tensor,
+    spatial_shapes: Tensor,
+    level_start_index: Tensor | None,
+    num_queries: int,
+    num_points: int,
+) -> tuple[tuple[int], tuple, dict]:
+    """(grid, positional arguments, constexpr arguments) of msda_fold_replicas_kernel, after the
+    backward kernel summed into grad_value and `replicas` (both contiguous)."""
+    B, S, M, D = grad_value.shape
+    rows = replicas.shape[1]
+    L = int(spatial_shapes.shape[0])
+    block_row = _next_power_of_2(int(M) * int(D))
+    block_pixels = max(1, FOLD_TILE_ELEMENTS // block_row)
+    constexprs = dict(
+        NUM_LEVELS=L,
+        NUM_POINTS=int(num_points),
+        ROW=int(M) * int(D),
+        BLOCK_ROW=block_row,
+        BLOCK_PIXELS=block_pixels,
+        INDEX_64=needs_int64(grad_value, replicas),
+        LEVEL_STARTS=level_start_index is not None,
+        num_warps=4,
+    )
+    grid = (B * L * _cdiv(rows, block_pixels),)
+    args = (
+        grad_value,
+        replicas,
+        spatial_shapes,
+        spatial_shapes if level_start_index is None else level_start_index,  # unread if None
+        num_queries,
+        S,
+        rows,
     )
     return grid, args, constexprs

@@ -1,13 +1,14 @@
 """GPU tier: the Triton kernels at the presets of docs/benchmarking.md against the float64 reference,
 for every dtype, mixed location/value dtypes, both location distributions."""
 
+import math
 from unittest import mock
 
 import pytest
 import torch
 
 from msda import ops, torch_impl
-from msda.kernels.backward import grad_value_accumulator_dtype
+from msda.kernels.backward import SAMPLES_PER_REPLICA, grad_value_accumulator_dtype, replica_rows
 from msda.testing import PRESETS, make_inputs
 
 from ..helpers import assert_matches_reference, forward_backward, random_like_output
@@ -42,16 +43,31 @@ def test_float64_matches_reference():
     assert_matches_reference(inputs, forward_backward(inputs, grad_output), grad_output)
 
 
-@pytest.mark.parametrize("preset,expected", [("decoder", "native"), ("encoder", "float32")])
-def test_grad_value_accumulator_rule(preset, expected):
-    """The documented rule: native half atomics where samples are sparse (the decoder),
-    a float32 buffer where they are dense (the encoder)."""
+@pytest.mark.parametrize("preset,replicated", [("decoder", None), ("encoder", [1, 1, 4, 14])])
+def test_grad_value_accumulation_rule(preset, replicated):
+    """The documented rule: native atomics in every dtype on sm_90 (float32 for bfloat16 before
+    it), and in half precision replicas of a level's rows where it has over SAMPLES_PER_REPLICA
+    samples a pixel: none at the decoder (no buffer, no fold), the two coarsest levels at the
+    encoder."""
     shape = PRESETS[preset]
+    device = torch.device("cuda")
     for dtype in (torch.float16, torch.bfloat16):
-        chosen = grad_value_accumulator_dtype(
-            dtype, torch.device("cuda"), shape.queries, shape.num_values, len(shape.levels), shape.points
-        )
-        assert chosen == (dtype if expected == "native" else torch.float32)
+        native = dtype == torch.float16 or torch.cuda.get_device_capability() >= (9, 0)
+        assert grad_value_accumulator_dtype(dtype, device) == (dtype if native else torch.float32)
+    for dtype in (torch.float32, torch.float64):
+        assert replica_rows(dtype, shape.queries, shape.num_values, len(shape.levels), shape.points) is None
+    rows = replica_rows(torch.float16, shape.queries, shape.num_values, len(shape.levels), shape.points)
+    if replicated is None:
+        assert rows is None
+        return
+    # The counts the kernels compute (level_replicas), from the level sizes.
+    used, counts = 0, []
+    for h, w in shape.levels:
+        samples_a_pixel = math.ceil(shape.queries * shape.points / (h * w))
+        wanted = math.ceil(samples_a_pixel / SAMPLES_PER_REPLICA.value)
+        counts.append(max(1, min(wanted, 1 + (rows - used) // (h * w))))
+        used += (counts[-1] - 1) * h * w
+    assert counts == replicated and used <= rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
