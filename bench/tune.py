@@ -66,7 +66,7 @@ def backward_launch(inputs, grad_output, tile: launch.TileConfig, accumulator: t
     value, shapes, starts, loc, attn = inputs.args()
     B, S, M, D = value.shape
     Q, L, K = loc.shape[1], loc.shape[3], loc.shape[4]
-    accumulator = accumulator or grad_value_accumulator_dtype(value.dtype, value.device)
+    accumulator = accumulator or grad_value_accumulator_dtype(value, Q, L, K)
     rows = replica_rows(accumulator, Q, S, L, K) if replicas is not False else None
     if replicas and rows is None:
         rows = max(1, min(Q * L * K // SAMPLES_PER_REPLICA.value, S // 2))

@@ -9,8 +9,10 @@ from msda.kernels import backward as backward_kernel
 from msda.kernels import forward as forward_kernel
 from msda.kernels import launch
 from msda.testing import Shape, make_inputs, reference
+from msda.testing_cases import EdgeCase
 
 from .helpers import assert_matches_reference, forward_backward, random_like_output
+from .test_edge_cases import check_case
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.interpreter
@@ -42,14 +44,31 @@ def test_mixed_precision(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_grad_value_accumulator(dtype):
-    """Both accumulators meet the bounds, sparse samples and dense: native half atomics (float16;
-    the interpreter has no bfloat16 atomic add), else float32."""
-    device = torch.device(DEVICE)
-    picked = backward_kernel.grad_value_accumulator_dtype(dtype, device)
-    assert picked == (dtype if dtype == torch.float16 or device.type == "cuda" else torch.float32)
-    for shape in (SPARSE, SHAPE, DENSE):
-        check(make_inputs(shape, dtype, DEVICE, seed=23))
+def test_grad_value_accumulator(monkeypatch, dtype):
+    """Each accumulator meets the bounds, sparse samples and dense: native half atomics (float16;
+    the interpreter has no bfloat16 atomic add) where samples are sparse or grad_value is large
+    (here: any size), with replicas where dense; float32 where dense and small."""
+    native = dtype == torch.float16 or DEVICE == "cuda"
+    for min_elements, shape, expected in (
+        (2**20, SPARSE, dtype if native else torch.float32),
+        (2**20, DENSE, torch.float32),
+        (0, DENSE, dtype if native else torch.float32),
+    ):
+        monkeypatch.setattr(backward_kernel, "NATIVE_MIN_ELEMENTS", min_elements)
+        inputs = make_inputs(shape, dtype, DEVICE, seed=23)
+        picked = backward_kernel.grad_value_accumulator_dtype(inputs.value, shape.queries, len(shape.levels), shape.points)
+        assert picked == expected, (shape, min_elements)
+        check(inputs)
+
+
+def test_few_elements_that_cancel():
+    """The GPU fuzz's counterexample to half-precision sums on small tensors: 45 samples on one
+    1 x 1 level, 1 channel, float16 (native adds gave grad_value 1.9e-2 off there, 3.4e-2 in
+    the interpreter). A grad_value this small is summed in float32 and meets the bound."""
+    case = EdgeCase(id="cancelling", shape=Shape(1, 45, 1, 1, ((1, 1),), 1), special="far")
+    inputs, _ = case.build(torch.float16, DEVICE, seed=0)
+    assert backward_kernel.grad_value_accumulator_dtype(inputs.value, 45, 1, 1) == torch.float32
+    check_case(case, torch.float16, DEVICE, 0)
 
 
 # Dense samples on a small pyramid: 60 queries x 2 points on the 1 x 2 level are 60 samples a
@@ -73,7 +92,7 @@ def test_replicas_of_dense_levels(dtype, given_starts):
     rule_rows = backward_kernel.replica_rows(torch.float16, Q, S, L, K)  # the rows of a half accumulator
     assert backward_kernel.replica_rows(torch.float32, Q, S, L, K) is None
     assert backward_kernel.replica_rows(torch.float16, SPARSE.queries, SPARSE.num_values, 1, SPARSE.points) is None
-    accumulator = backward_kernel.grad_value_accumulator_dtype(dtype, torch.device(DEVICE))
+    accumulator = dtype  # float16 atomics exist on every CUDA GPU and in the interpreter
     results = {}
     for rows in (None, 1, 3, rule_rows):
         grad_value = torch.zeros(value.shape, dtype=accumulator, device=DEVICE)

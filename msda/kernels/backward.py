@@ -95,18 +95,32 @@ def msda_backward_kernel(
     # One loop over every level's steps, a step GROUPS * UNROLL points of one level. With PREFETCH
     # (one point a group a step) each step loads the next one's parameters, so that their latency
     # overlaps this step's gathers and reductions instead of preceding its placement.
+    # Each program starts at another level (its query block's number modulo L) and wraps round:
+    # programs in step would otherwise all add into the few rows of the coarse levels at once,
+    # and same-address adds queue in L2 (the float16 decoder's kernel: 29.1 -> 26.5 us, entry 33).
     STEPS: tl.constexpr = (NUM_POINTS + GROUPS * UNROLL - 1) // (GROUPS * UNROLL)  # a level's steps
     MASKED_WEIGHT: tl.constexpr = float("-inf") if SOFTMAX else 0.0  # a masked logit's softmax weight is 0
+    first_level = q_block % NUM_LEVELS
     start = b * 0  # the level's first row, in the index dtype
     used = b * 0  # replica rows (a batch) taken by the levels before
-    if PREFETCH:  # step 0: level 0, point `group`
+    if (not LEVEL_STARTS) or REPLICAS:  # both sums up to the first level
+        for before in tl.static_range(NUM_LEVELS - 1):
+            if before < first_level:
+                h = tl.load(shapes_ptr + 2 * before).to(b.dtype)
+                w = tl.load(shapes_ptr + 2 * before + 1).to(b.dtype)
+                if REPLICAS:
+                    replicas, area = level_replicas(h, w, used, num_queries, replica_rows, NUM_POINTS)
+                    used += (replicas - 1) * area
+                start += h * w
+    if PREFETCH:  # step 0: the first level, point `group`
         tl.static_assert(UNROLL == 1, "the backward prefetches one point a group a step")
         mask = (group < NUM_POINTS) & q_ok
-        next_attn = tl.load(attn_ptr + first_param + group, mask=mask, other=MASKED_WEIGHT)
-        next_x = tl.load(loc_ptr + 2 * (first_param + group), mask=mask, other=0.0)
-        next_y = tl.load(loc_ptr + 2 * (first_param + group) + 1, mask=mask, other=0.0)
+        first = first_param + first_level * NUM_POINTS + group
+        next_attn = tl.load(attn_ptr + first, mask=mask, other=MASKED_WEIGHT)
+        next_x = tl.load(loc_ptr + 2 * first, mask=mask, other=0.0)
+        next_y = tl.load(loc_ptr + 2 * first + 1, mask=mask, other=0.0)
     for step in tl.range(0, NUM_LEVELS * STEPS):
-        level = step // STEPS
+        level = (step // STEPS + first_level) % NUM_LEVELS
         h = tl.load(shapes_ptr + 2 * level).to(b.dtype)
         w = tl.load(shapes_ptr + 2 * level + 1).to(b.dtype)
         if LEVEL_STARTS:
@@ -127,7 +141,8 @@ def msda_backward_kernel(
             following = step + 1
             next_point = (following % STEPS) * GROUPS + group
             mask = (next_point < NUM_POINTS) & q_ok & (following < NUM_LEVELS * STEPS)
-            next_param = first_param + (following // STEPS) * NUM_POINTS + next_point
+            next_level = (following // STEPS + first_level) % NUM_LEVELS
+            next_param = first_param + next_level * NUM_POINTS + next_point
             next_attn = tl.load(attn_ptr + next_param, mask=mask, other=MASKED_WEIGHT)
             next_x = tl.load(loc_ptr + 2 * next_param, mask=mask, other=0.0)
             next_y = tl.load(loc_ptr + 2 * next_param + 1, mask=mask, other=0.0)
@@ -211,10 +226,13 @@ def msda_backward_kernel(
                 tl.store(grad_attn_ptr + param, grad_attn.to(grad_attn_ptr.dtype.element_ty), mask=mask)
             tl.store(grad_loc_ptr + 2 * param, grad_x.to(grad_loc_ptr.dtype.element_ty), mask=mask)
             tl.store(grad_loc_ptr + 2 * param + 1, grad_y.to(grad_loc_ptr.dtype.element_ty), mask=mask)
-        if not LEVEL_STARTS:  # the next level's first row, after the level's last step
-            start = tl.where(step % STEPS == STEPS - 1, start + h * w, start)
+        # After a level's last step: the next level's first row and replica row (0 after the last level).
+        level_done = step % STEPS == STEPS - 1
+        wraps = level == NUM_LEVELS - 1
+        if not LEVEL_STARTS:
+            start = tl.where(level_done, tl.where(wraps, start * 0, start + h * w), start)
         if REPLICAS:
-            used = tl.where(step % STEPS == STEPS - 1, used + (replicas - 1) * area, used)
+            used = tl.where(level_done, tl.where(wraps, used * 0, used + (replicas - 1) * area), used)
 
     if SOFTMAX:
         weighted_sum = tl.sum(weighted_grad, axis=0, keep_dims=True)  # [1, BLOCK_Q]
@@ -331,16 +349,30 @@ def msda_fold_replicas_kernel(
         )
 
 
-def grad_value_accumulator_dtype(value_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+def grad_value_accumulator_dtype(value: torch.Tensor, num_queries, num_levels: int, num_points: int) -> torch.dtype:
     """The dtype of the buffer the backward kernel scatters grad_value into: value's own, but
     float32 for bfloat16 where its atomic add is emulated (before sm_90: a compare-and-swap loop)
-    or missing (the interpreter, on the CPU)."""
-    if value_dtype == torch.bfloat16 and (
-        device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0)
+    or missing (the interpreter, on the CPU), and float32 for a small grad_value with dense
+    samples (`NATIVE_MIN_ELEMENTS`). Takes SymInts (then guards on both comparisons)."""
+    if value.dtype not in (torch.float16, torch.bfloat16):
+        return value.dtype
+    if value.dtype == torch.bfloat16 and (
+        value.device.type != "cuda" or torch.cuda.get_device_capability(value.device) < (9, 0)
     ):
         return torch.float32
-    return value_dtype
+    sparse = num_queries * num_levels * num_points <= REPLICAS_MIN_SAMPLES_PER_ROW * value.shape[1]
+    if sparse or value.numel() >= NATIVE_MIN_ELEMENTS:
+        return value.dtype
+    return torch.float32
 
+
+# Half-precision adds keep the error of grad_value within the bounds as a norm over many
+# elements: each element's rounding is a random walk, and the norm averages them. A grad_value of
+# a few elements whose sums cancel has no such average: the GPU fuzz found one of 1 element (45
+# samples on a 1 x 1 level, float16) at 1.9e-2 against 2e-3. Below this many elements, where
+# speed hardly matters, dense samples are summed in float32 (the smallest value of a Deformable
+# DETR layer at a 256 x 256 image, 348 k elements, is below it; the presets, 11 M and 23 M, above).
+NATIVE_MIN_ELEMENTS = 2**20
 
 # Where a (batch, head) has at most this many samples a value row, the replicas' buffer and the
 # fold are skipped (two launches, a few microseconds against the decoder's 40): there (Q * L * K
@@ -417,7 +449,7 @@ def grad_value_buffer(
     if torch.are_deterministic_algorithms_enabled():
         scale = fixed_point_scale(grad_output, attention_weights, num_queries * num_levels * num_points)
         return torch.zeros(value.shape, dtype=torch.int64, device=value.device), scale, None
-    dtype = grad_value_accumulator_dtype(value.dtype, value.device)
+    dtype = grad_value_accumulator_dtype(value, num_queries, num_levels, num_points)
     buffer = torch.zeros(value.shape, dtype=dtype, device=value.device)
     B, S, M, D = value.shape
     rows = replica_rows(dtype, num_queries, S, num_levels, num_points)

@@ -53,7 +53,9 @@ def test_grad_value_accumulation_rule(preset, replicated):
     device = torch.device("cuda")
     for dtype in (torch.float16, torch.bfloat16):
         native = dtype == torch.float16 or torch.cuda.get_device_capability() >= (9, 0)
-        assert grad_value_accumulator_dtype(dtype, device) == (dtype if native else torch.float32)
+        value = torch.empty(shape.batch, shape.num_values, shape.heads, shape.head_dim, dtype=dtype, device=device)
+        chosen = grad_value_accumulator_dtype(value, shape.queries, len(shape.levels), shape.points)
+        assert chosen == (dtype if native else torch.float32)
     for dtype in (torch.float32, torch.float64):
         assert replica_rows(dtype, shape.queries, shape.num_values, len(shape.levels), shape.points) is None
     rows = replica_rows(torch.float16, shape.queries, shape.num_values, len(shape.levels), shape.points)
