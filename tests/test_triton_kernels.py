@@ -56,7 +56,8 @@ def test_grad_value_accumulator(monkeypatch, dtype):
     ):
         monkeypatch.setattr(backward_kernel, "NATIVE_MIN_ELEMENTS", min_elements)
         inputs = make_inputs(shape, dtype, DEVICE, seed=23)
-        picked = backward_kernel.grad_value_accumulator_dtype(inputs.value, shape.queries, len(shape.levels), shape.points)
+        levels, points = len(shape.levels), shape.points
+        picked = backward_kernel.grad_value_accumulator_dtype(inputs.value, shape.queries, levels, points)
         assert picked == expected, (shape, min_elements)
         check(inputs)
 
