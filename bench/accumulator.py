@@ -44,7 +44,8 @@ def main() -> None:
                     run()
                     error = relative_error(grad_value.to(dtype), expected)
                     cells.append(f"{error:9.2e} {graph_device_time(run, calls=10, replays=5).median_us:7.1f} us")
-                rule = "replicas" if replica_rows(dtype, shape.queries, shape.num_values, len(shape.levels), shape.points) else "native"
+                rows = replica_rows(dtype, shape.queries, shape.num_values, len(shape.levels), shape.points)
+                rule = "native" if rows is None else "replicas"
                 print(f"{name:14s} {dist:8s} {str(dtype)[6:]:9s} " + " ".join(f"{c:>20s}" for c in cells)
                       + f" {TOLERANCE[dtype]:8.1e} {rule}", flush=True)
 
