@@ -37,6 +37,7 @@ from msda.kernels.backward import (
     msda_backward_kernel,
     msda_fold_replicas_kernel,
     replica_rows,
+    zero_,
 )
 from msda.kernels.forward import msda_forward_kernel
 from msda.testing import PRESETS, make_inputs, reference, reference_with_grads, relative_error
@@ -79,9 +80,9 @@ def backward_launch(inputs, grad_output, tile: launch.TileConfig, accumulator: t
         fold_grid, fold_args, fold_constexprs = launch.fold_call(grads[0], copies, shapes, starts, Q, K)
 
     def run():
-        grads[0].zero_()
+        zero_(grads[0])  # as the operator zeroes it
         if copies is not None:
-            copies.zero_()
+            zero_(copies)
         msda_backward_kernel[grid](*args, **constexprs)
         if copies is not None:
             msda_fold_replicas_kernel[fold_grid](*fold_args, **fold_constexprs)

@@ -113,6 +113,9 @@ def kernel_calls(
                 softmax=softmax, scratch=scratch,
             )[1:]),
         ]  # fmt: skip
+        if value_dtype == torch.float32:  # the encoder's rule: every pixel a query (Q == S)
+            every_pixel = [torch.zeros(B, S, *t.shape[2:], dtype=t.dtype) for t in (loc, attn, out)]
+            calls.append((msda_forward_kernel, *launch.forward_call(value, shapes, starts, *every_pixel)[1:]))
         replicas = torch.zeros(B, 2, M, head_dim, dtype=accumulator)
         calls += [
             (msda_backward_kernel, *launch.backward_call(

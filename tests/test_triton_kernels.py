@@ -1,6 +1,8 @@
 """The Triton kernels against the float64 oracle: in Triton's interpreter on a CPU-only machine
 (TRITON_INTERPRET=1, set by conftest.py), compiled on CUDA where a GPU is present."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -268,6 +270,45 @@ def test_lane_placement(monkeypatch, dtype, head_dim, points):
     shape = Shape(batch=2, queries=5, heads=2, head_dim=head_dim, levels=((5, 6), (3, 2), (1, 1)), points=points)
     inputs = make_inputs(shape, dtype, DEVICE, outside_fraction=0.25, seed=70 + points)
     check_tile_with_levels_summed(monkeypatch, tile, inputs, "LANE_PLACEMENT")
+
+
+def test_encoder_rule(monkeypatch):
+    """Where the register target applies, a float32 call with every pixel a query (Q == S, an
+    encoder's self-attention) takes one-warp programs (2 queries at head_dim 32) with the lane
+    placement, and matches the oracle; other calls keep the 16-query rule."""
+    monkeypatch.setattr(launch, "register_target", lambda device: True)
+    levels = ((5, 6), (3, 2), (1, 1))
+    encoder = Shape(batch=2, queries=37, heads=2, head_dim=32, levels=levels, points=2)  # S = 37
+    inputs = make_inputs(encoder, torch.float32, DEVICE, outside_fraction=0.25, seed=81)
+    value, shapes, starts, loc, attn = inputs.args()
+    _, _, constexprs = launch.forward_call(value, shapes, starts, loc, attn, torch.empty(0))
+    assert (constexprs["BLOCK_Q"], constexprs["num_warps"], constexprs["maxnreg"]) == (2, 1, 64)
+    assert constexprs["LANE_PLACEMENT"]
+    grad_output = random_like_output(inputs)
+    assert_matches_reference(inputs, forward_backward(inputs, grad_output), grad_output)
+    decoder = make_inputs(dataclasses.replace(encoder, queries=36), torch.float32, DEVICE, seed=82)
+    _, _, constexprs = launch.forward_call(*decoder.args(), torch.empty(0))
+    assert constexprs["BLOCK_Q"] == 16
+
+
+def test_last_batch_first():
+    """The backward takes the batches in reverse order for 4- and 8-byte accumulators (float32,
+    the deterministic mode's int64), in order for 2-byte ones; either order sums the same."""
+    inputs = make_inputs(dataclasses.replace(SHAPE, batch=3), torch.float32, DEVICE, outside_fraction=0.25, seed=83)
+    grad_output = random_like_output(inputs)
+    value, shapes, starts, loc, attn = inputs.args()
+    flags = [launch.backward_call(grad_output, value, shapes, starts, loc, attn, torch.empty(0, dtype=dtype),
+                                  torch.empty(0), torch.empty(0))[2]["LAST_BATCH_FIRST"]
+             for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.int64)]  # fmt: skip
+    assert flags == [False, False, True, True]
+    sums = []
+    for last_first in (False, True):
+        grads = [torch.zeros_like(value), torch.empty_like(loc), torch.empty_like(attn)]
+        grid, args, constexprs = launch.backward_call(grad_output, value, shapes, starts, loc, attn, *grads)
+        backward_kernel.msda_backward_kernel[grid](*args, **{**constexprs, "LAST_BATCH_FIRST": last_first})
+        sums.append(grads)
+    for name, a, b in zip(("grad_value", "grad_loc", "grad_attn"), *sums):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

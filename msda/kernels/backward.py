@@ -47,6 +47,7 @@ def msda_backward_kernel(
     FIXED_POINT: tl.constexpr,  # grad_value sums integers (deterministic mode): see fixed_point_scale
     PREFETCH: tl.constexpr,  # load each step's parameters one step ahead (UNROLL 1)
     REPLICAS: tl.constexpr,  # spread the adds of dense levels over replicas of their rows
+    LAST_BATCH_FIRST: tl.constexpr,  # programs take the batches in reverse order
 ):
     # The forward's program layout and tile (msda/kernels/forward.py explains both).
     pid = tl.program_id(0)
@@ -55,6 +56,11 @@ def msda_backward_kernel(
     num_q_blocks = tl.cdiv(num_queries, BLOCK_Q)
     q_block = pid % num_q_blocks
     bm = pid // num_q_blocks
+    if LAST_BATCH_FIRST:
+        # grad_value was zeroed in address order just before this kernel, so the L2 still holds
+        # the last batches' zeroed rows (a float32 grad_value of 91 MB does not fit in it whole):
+        # their adds come first, before eviction claims them.
+        bm = tl.num_programs(0) // num_q_blocks - 1 - bm
     b = bm // NUM_HEADS
     m = bm % NUM_HEADS
     q = q_block * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -450,11 +456,30 @@ def grad_value_buffer(
         scale = fixed_point_scale(grad_output, attention_weights, num_queries * num_levels * num_points)
         return torch.zeros(value.shape, dtype=torch.int64, device=value.device), scale, None
     dtype = grad_value_accumulator_dtype(value, num_queries, num_levels, num_points)
-    buffer = torch.zeros(value.shape, dtype=dtype, device=value.device)
+    plain = type(value) is torch.Tensor  # not traced (fake or functional tensors under compile and export)
+    buffer = _zeros(value.shape, dtype, value.device, plain)
     B, S, M, D = value.shape
     rows = replica_rows(dtype, num_queries, S, num_levels, num_points)
-    replicas = None if rows is None else torch.zeros((B, rows, M, D), dtype=dtype, device=value.device)
+    replicas = None if rows is None else _zeros((B, rows, M, D), dtype, value.device, plain)
     return buffer, None, replicas
+
+
+def _zeros(shape, dtype: torch.dtype, device: torch.device, plain: bool) -> torch.Tensor:
+    """torch.zeros(shape); plain (not traced), through `zero_`. Traced calls keep torch.zeros:
+    the compiler makes its own fill."""
+    return zero_(torch.empty(shape, dtype=dtype, device=device)) if plain else torch.zeros(shape, dtype=dtype, device=device)
+
+
+def zero_(tensor: torch.Tensor) -> torch.Tensor:
+    """tensor.zero_() for a contiguous tensor, 2-byte elements written as 4-byte words where the
+    last dimension pairs them up: PyTorch's fill kernel writes 2-byte elements slower (on the
+    H200, the decoder's 45 MB float16 grad_value took 14.9 us, as int32 11.6; bench/NOTES.md
+    entry 34)."""
+    if tensor.element_size() == 2 and tensor.shape[-1] % 2 == 0 and tensor.is_contiguous():
+        tensor.view(torch.int32).zero_()
+    else:
+        tensor.zero_()
+    return tensor
 
 
 def finish_grad_value(buffer: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

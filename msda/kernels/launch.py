@@ -2,9 +2,10 @@
 by the registered operators (which launch through torch's `wrap_triton`, so that torch.compile
 and export trace them) and the eager fast path (which launches the compiled kernel directly).
 
-Launch settings are explicit (`ForwardConfig`, `BackwardConfig`), chosen by a fixed rule that
-reads only L, K, D and the dtypes: never the image size, so torch.compile(dynamic=True) keeps one
-program across image sizes. bench/tune.py passes its own settings instead.
+Launch settings are explicit (`TileConfig`), chosen by a fixed rule that reads only L, K, D, the
+dtypes and whether every pixel is a query (an encoder): never the image size, so
+torch.compile(dynamic=True) keeps one program across image sizes. bench/tune.py passes its own
+settings instead.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .backward import msda_backward_kernel
 from .forward import msda_forward_kernel
@@ -78,7 +80,9 @@ class TileConfig(NamedTuple):
         )
 
 
-def forward_config(num_levels: int, num_points: int, head_dim: int, value_dtype: torch.dtype) -> TileConfig:
+def forward_config(
+    num_levels: int, num_points: int, head_dim: int, value_dtype: torch.dtype, encoder: bool = False
+) -> TileConfig:
     """The forward's launch rule (bench/NOTES.md, entries 13, 25, 26, 27 and 28, have the sweeps
     behind it): a whole value row per load instruction (fewer threads per row issue fewer
     instructions but cost the L1 more wavefronts per byte), 16 queries, each level's points split
@@ -94,8 +98,25 @@ def forward_config(num_levels: int, num_points: int, head_dim: int, value_dtype:
     Where the lane placement does not apply (float64, 64-bit indices, narrow tiles), the loop of
     entry 25: float32 and bfloat16 load each step's parameters a step ahead, float16 keeps the
     plain loop (the prefetch lost it 3-4% at the encoder).
-    Unrolling the level loop as well compiled in 1.7 to 6.5 s instead of 0.2 to 0.6 s: not taken."""
+    Unrolling the level loop as well compiled in 1.7 to 6.5 s instead of 0.2 to 0.6 s: not taken.
+
+    encoder (`every_pixel_a_query`, and the register target applies): float32 takes programs of
+    one warp (2 queries at head_dim 32) at 64 registers. On the H200 the float32 encoder preset
+    ran 197 us against 209 (uniform) and 171 against 185 (`local`); the decoder's few queries lose
+    with it (11.8 against 9.2 us: its programs no longer fit in one wave), hence the two rules.
+    Measured at head_dim 32 (entry 34); other widths keep one warp a program."""
     half = value_dtype in (torch.float16, torch.bfloat16)
+    if encoder and value_dtype == torch.float32:
+        row_threads = max(1, min(32, _next_power_of_2(head_dim) // 4))  # 16-byte loads of a row
+        return TileConfig(
+            block_q=max(2, 32 // (2 * row_threads)),
+            groups=2,
+            threads_per_row=0,
+            prefetch=True,
+            lane_placement=True,
+            lane_unroll=2,
+            max_registers=64,
+        )
     return TileConfig(
         block_q=16,
         groups=2,
@@ -106,6 +127,14 @@ def forward_config(num_levels: int, num_points: int, head_dim: int, value_dtype:
         lane_unroll=4 if half else 2,
         max_registers=64 if half else 40,
     )
+
+
+def every_pixel_a_query(num_queries, num_values) -> bool:
+    """Whether a call is an encoder's self-attention, each pixel of the pyramid a query (Q == S):
+    many queries a (batch, head), whatever the image size. Under torch.compile the sizes are
+    symbols: True only where they are provably equal (one symbol, as dynamic shapes give two
+    sizes equal when first traced), so the answer adds no guard and no recompile."""
+    return statically_known_true(num_queries == num_values)
 
 
 def backward_config(num_levels: int, num_points: int, head_dim: int, value_dtype: torch.dtype) -> TileConfig:
@@ -223,7 +252,8 @@ def forward_call(
     B, S, M, D = value.shape
     _, Q, _, L, K, _ = sampling_locations.shape
     L, K, M, D = int(L), int(K), int(M), int(D)
-    config = config or forward_config(L, K, D, value.dtype)
+    encoder = register_target(value.device) and every_pixel_a_query(Q, S)
+    config = config or forward_config(L, K, D, value.dtype, encoder)
     constexprs = dict(config.constexprs(D, value.element_size(), K))
     constexprs.update(
         NUM_HEADS=M,
@@ -295,6 +325,10 @@ def backward_call(
         SOFTMAX=softmax,
         FIXED_POINT=fixed_point_scale is not None,
         REPLICAS=replicas is not None,
+        # 4- and 8-byte accumulators: the last batch first (the kernel says why). Measured on the
+        # H200: the float32 decoder 70.7 -> 65.4 us; the float16 one, whose 45 MB grad_value stays
+        # in the L2 anyway, lost 3 us with it (bench/NOTES.md entry 34).
+        LAST_BATCH_FIRST=grad_value.element_size() >= 4,
     )
     constexprs["PREFETCH"] = bool(config.prefetch) and constexprs["UNROLL"] == 1
     if softmax and scratch is None:
