@@ -467,7 +467,9 @@ def grad_value_buffer(
 def _zeros(shape, dtype: torch.dtype, device: torch.device, plain: bool) -> torch.Tensor:
     """torch.zeros(shape); plain (not traced), through `zero_`. Traced calls keep torch.zeros:
     the compiler makes its own fill."""
-    return zero_(torch.empty(shape, dtype=dtype, device=device)) if plain else torch.zeros(shape, dtype=dtype, device=device)
+    if not plain:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return zero_(torch.empty(shape, dtype=dtype, device=device))
 
 
 def zero_(tensor: torch.Tensor) -> torch.Tensor:
