@@ -393,7 +393,8 @@ def replica_rows(
 ):
     """Rows a batch of the replica buffer, at least 1 (None: no replicas: float32 and float64
     accumulators add exactly enough, and a float32 encoder backward ran 902 us with them against
-    890 without, entry 33; or the samples are sparse). A level's replicas
+    890 without, entry 33, and no faster with copies of its coarsest level only, entry 34; or the
+    samples are sparse). A level's replicas
     take at most Q * K / SAMPLES_PER_REPLICA rows (`level_replicas`), so L times that always
     suffices; but at most S / 2 (levels past that get fewer replicas), for memory: in half
     precision grad_value and its replicas together should stay near a float32 grad_value's size.
