@@ -48,6 +48,7 @@ def msda_backward_kernel(
     PREFETCH: tl.constexpr,  # load each step's parameters one step ahead (UNROLL 1)
     REPLICAS: tl.constexpr,  # spread the adds of dense levels over replicas of their rows
     LAST_BATCH_FIRST: tl.constexpr,  # programs take the batches in reverse order
+    VALUE_EVICTION: tl.constexpr,  # the value gathers' L2 eviction hint ("" or "evict_first")
 ):
     # The forward's program layout and tile (msda/kernels/forward.py explains both).
     pid = tl.program_id(0)
@@ -178,7 +179,12 @@ def msda_backward_kernel(
             # believe the kernel writes `value`.)
             a_top = attn * (1.0 - fy)
             a_bottom = attn * fy
-            v = tl.load(value_ptr + corner, mask=(left & top)[:, :, None, None] & d_ok, other=0.0)
+            v = tl.load(
+                value_ptr + corner,
+                mask=(left & top)[:, :, None, None] & d_ok,
+                other=0.0,
+                eviction_policy=VALUE_EVICTION,
+            )
             dot_tl = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
             tl.atomic_add(
                 accumulator + corner,
@@ -188,7 +194,12 @@ def msda_backward_kernel(
                 mask=(left & top)[:, :, None, None] & d_ok,
                 sem="relaxed",
             )
-            v = tl.load(value_ptr + corner + ROW, mask=(right & top)[:, :, None, None] & d_ok, other=0.0)
+            v = tl.load(
+                value_ptr + corner + ROW,
+                mask=(right & top)[:, :, None, None] & d_ok,
+                other=0.0,
+                eviction_policy=VALUE_EVICTION,
+            )
             dot_tr = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
             tl.atomic_add(
                 accumulator + corner + ROW,
@@ -198,7 +209,12 @@ def msda_backward_kernel(
                 mask=(right & top)[:, :, None, None] & d_ok,
                 sem="relaxed",
             )
-            v = tl.load(value_ptr + below, mask=(left & bottom)[:, :, None, None] & d_ok, other=0.0)
+            v = tl.load(
+                value_ptr + below,
+                mask=(left & bottom)[:, :, None, None] & d_ok,
+                other=0.0,
+                eviction_policy=VALUE_EVICTION,
+            )
             dot_bl = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
             tl.atomic_add(
                 accumulator + below,
@@ -211,7 +227,12 @@ def msda_backward_kernel(
                 mask=(left & bottom)[:, :, None, None] & d_ok,
                 sem="relaxed",
             )
-            v = tl.load(value_ptr + below + ROW, mask=(right & bottom)[:, :, None, None] & d_ok, other=0.0)
+            v = tl.load(
+                value_ptr + below + ROW,
+                mask=(right & bottom)[:, :, None, None] & d_ok,
+                other=0.0,
+                eviction_policy=VALUE_EVICTION,
+            )
             dot_br = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
             tl.atomic_add(
                 accumulator + below + ROW,
