@@ -101,9 +101,10 @@ def forward_config(
     Unrolling the level loop as well compiled in 1.7 to 6.5 s instead of 0.2 to 0.6 s: not taken.
 
     encoder (`every_pixel_a_query`, and the register target applies): float32 takes programs of
-    one warp (2 queries at head_dim 32) at 64 registers. On the H200 the float32 encoder preset
-    ran 197 us against 209 (uniform) and 171 against 185 (`local`); the decoder's few queries lose
-    with it (11.8 against 9.2 us: its programs no longer fit in one wave), hence the two rules.
+    one warp (2 queries at head_dim 32) at 56 registers. On the H200 the float32 encoder preset
+    ran 197 us against 209 (uniform) and 171 against 185 (`local`) at 64 registers, and 56 took
+    another 1.7% off uniform for 0.5% on `local` (entry 36); the decoder's few queries lose with
+    one warp (11.8 against 9.2 us: its programs no longer fit in one wave), hence the two rules.
     Measured at head_dim 32 (entry 34); other widths keep one warp a program."""
     half = value_dtype in (torch.float16, torch.bfloat16)
     if encoder and value_dtype == torch.float32:
@@ -115,7 +116,7 @@ def forward_config(
             prefetch=True,
             lane_placement=True,
             lane_unroll=2,
-            max_registers=64,
+            max_registers=56,
         )
     return TileConfig(
         block_q=16,
