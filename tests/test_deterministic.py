@@ -97,12 +97,17 @@ def test_fixed_point_scale_is_nan_for_non_finite_inputs(bad):
     assert math.isnan(backward_kernel.fixed_point_scale(weights, None, 10).item())
 
 
+@pytest.mark.parametrize("rows, entries", [(None, None), (1, 2), (8, 4)], ids=["rule", "1x2", "8x4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @interpreted
-def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(dtype):
+def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, dtype, rows, entries):
     """grad_value summed from the per-row lists equals, bit for bit, the backward kernel's 64-bit
     atomic adds of the same fixed-point contributions (the path the fused-softmax kernels keep),
-    with samples outside the levels and a level of one pixel."""
+    with samples outside the levels and a level of one pixel; at the rule's gather tile and at
+    others (lists longer than a step, a program's rows past the last row)."""
+    if rows is not None:
+        monkeypatch.setattr(launch, "LIST_ROWS", rows)
+        monkeypatch.setattr(launch, "LIST_ENTRIES", entries)
     shape = Shape(2, 7, 2, 6, ((3, 4), (2, 2), (1, 1)), 3)
     inputs = make_inputs(shape, dtype, outside_fraction=0.25, seed=8)
     grad_output = random_like_output(inputs)

@@ -11,7 +11,7 @@ instructions. Instead each value row gathers its own contributions:
 2. The same kernel (FILL) gives each corner a slot in its row's part of the list,
    `end - atomic_add(count, -1)`, and stores the sample's index times 4 plus the corner there.
    The slots' order within a row varies run to run.
-3. `msda_gather_grad_value_kernel` takes one row a program, recomputes each listed corner's
+3. `msda_gather_grad_value_kernel` takes ROWS rows a program, recomputes each listed corner's
    contribution (the backward kernel's arithmetic, bit for bit), rounds it to fixed point and
    sums the integers in registers: the same sum in any order, so the slot order does not
    matter, and the result is the atomic fixed-point path's to the bit. It writes grad_value
@@ -111,7 +111,8 @@ def msda_gather_grad_value_kernel(
     HEAD_DIM: tl.constexpr,
     NUM_LEVELS: tl.constexpr,
     NUM_POINTS: tl.constexpr,
-    BLOCK_E: tl.constexpr,  # list entries a step
+    ROWS: tl.constexpr,  # rows a program, side by side in its tile
+    BLOCK_E: tl.constexpr,  # list entries a row a step
     BLOCK_D: tl.constexpr,
     COMPUTE: tl.constexpr,
     INDEX_64: tl.constexpr,
@@ -119,20 +120,23 @@ def msda_gather_grad_value_kernel(
     pid = tl.program_id(0)
     if INDEX_64:
         pid = pid.to(tl.int64)
-    # The last rows first: the coarse levels, at the end of each batch's rows, have the longest lists.
-    row = num_rows - 1 - pid
-    m = row % NUM_HEADS
-    channel = tl.arange(0, BLOCK_D)[None, :]
+    # The last rows first: the coarse levels, at the end of each batch's rows, have the longest
+    # lists. A program's ROWS rows are consecutive (a pixel's heads, then the next pixel's).
+    row = (tl.cdiv(num_rows, ROWS) - 1 - pid) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    row_ok = row < num_rows
+    m = (row % NUM_HEADS)[:, None, None]
+    channel = tl.arange(0, BLOCK_D)[None, None, :]
     d_ok = channel < HEAD_DIM
     LK: tl.constexpr = NUM_LEVELS * NUM_POINTS
-    first = tl.load(ends_ptr + row - 1, mask=row > 0, other=0)
-    end = tl.load(ends_ptr + row)
+    first = tl.load(ends_ptr + row - 1, mask=row_ok & (row > 0), other=0)
+    end = tl.load(ends_ptr + row, mask=row_ok, other=0)
     scale = tl.load(fixed_point_scale_ptr)
-    total = tl.zeros([BLOCK_D], dtype=tl.int64)
-    e = first
-    while e < end:  # (a loop bound loaded from memory: a while loop, which the interpreter runs too)
-        index = e + tl.arange(0, BLOCK_E)
-        ok = index < end
+    total = tl.zeros([ROWS, BLOCK_D], dtype=tl.int64)
+    longest = tl.max(end - first, axis=0)
+    done = longest * 0
+    while done < longest:  # (a loop bound loaded from memory: a while loop, which the interpreter runs too)
+        index = first[:, None] + done + tl.arange(0, BLOCK_E)[None, :]  # [ROWS, BLOCK_E]
+        ok = index < end[:, None]
         entry = tl.load(entries_ptr + index, mask=ok, other=0)
         param = entry // 4
         corner = entry % 4
@@ -151,24 +155,22 @@ def msda_gather_grad_value_kernel(
             tl.where(corner == 0, a_top * (1.0 - fx), a_top * fx),
             tl.where(corner == 2, a_bottom * (1.0 - fx), a_bottom * fx),
         )
-        query = (param // (NUM_HEADS * LK)) % num_queries
-        batch = param // (num_queries * NUM_HEADS * LK)
+        query = ((param // (NUM_HEADS * LK)) % num_queries)[:, :, None]
+        batch = (param // (num_queries * NUM_HEADS * LK))[:, :, None]
+        ok = ok[:, :, None] & d_ok
         grad_out = tl.load(
-            grad_out_ptr
-            + batch[:, None] * grad_out_stride_b
-            + query[:, None] * grad_out_stride_q
-            + m * HEAD_DIM
-            + channel,
-            mask=ok[:, None] & d_ok,
+            grad_out_ptr + batch * grad_out_stride_b + query * grad_out_stride_q + m * HEAD_DIM + channel,
+            mask=ok,
             other=0.0,
         ).to(COMPUTE)
-        fixed = (weight[:, None] * grad_out * scale).to(tl.int64)
-        total += tl.sum(tl.where(ok[:, None] & d_ok, fixed, 0), axis=0)
-        e += BLOCK_E
+        fixed = (weight[:, :, None] * grad_out * scale).to(tl.int64)
+        total += tl.sum(tl.where(ok, fixed, 0), axis=1)
+        done += BLOCK_E
     # backward.from_fixed_point's conversion: the integer rounded once to float32, times 2**-e.
     grad = total.to(tl.float32) * tl.load(inverse_scale_ptr)
+    out = row[:, None] * HEAD_DIM + tl.arange(0, BLOCK_D)[None, :]
     tl.store(
-        grad_value_ptr + row * HEAD_DIM + tl.arange(0, BLOCK_D),
+        grad_value_ptr + out,
         grad.to(grad_value_ptr.dtype.element_ty),
-        mask=tl.arange(0, BLOCK_D) < HEAD_DIM,
+        mask=row_ok[:, None] & (tl.arange(0, BLOCK_D)[None, :] < HEAD_DIM),
     )

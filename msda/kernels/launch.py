@@ -405,7 +405,12 @@ def fold_call(
 
 
 LIST_QUERIES = 16  # queries a program of the corner lists' kernel
-LIST_ENTRIES = 32  # list entries a step of the gather kernel
+# The gather kernel's tile: rows a program, side by side, and list entries a row a step. Not
+# measured yet (bench/NOTES.md entry 35): a decoder's rows are mostly empty (many rows a program
+# cost less), an encoder's coarse rows hold about 1,300 entries (fewer rows a program, a shorter
+# critical path).
+LIST_ROWS = 4
+LIST_ENTRIES = 16
 
 
 def deterministic_grad_value(
@@ -456,6 +461,7 @@ def deterministic_grad_value(
         HEAD_DIM=D,
         NUM_LEVELS=L,
         NUM_POINTS=K,
+        ROWS=LIST_ROWS,
         BLOCK_E=LIST_ENTRIES,
         BLOCK_D=_next_power_of_2(D),
         COMPUTE=compute,
@@ -466,5 +472,5 @@ def deterministic_grad_value(
     args = (grad_output, grad_output.stride(0), grad_output.stride(1), spatial_shapes, sampling_locations,
             attention_weights, ends, entries, inverse_scale, fixed_point_scale, grad_value, Q, rows)  # fmt: skip
     if rows > 0:
-        launch(msda_gather_grad_value_kernel, (rows,), args, gather)
+        launch(msda_gather_grad_value_kernel, (_cdiv(rows, LIST_ROWS),), args, gather)
     return grad_value
