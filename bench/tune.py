@@ -32,7 +32,6 @@ import torch
 
 from msda.kernels import launch
 from msda.kernels.backward import (
-    SAMPLES_PER_REPLICA,
     grad_value_accumulator_dtype,
     msda_backward_kernel,
     msda_fold_replicas_kernel,
@@ -68,9 +67,7 @@ def backward_launch(inputs, grad_output, tile: launch.TileConfig, accumulator: t
     B, S, M, D = value.shape
     Q, L, K = loc.shape[1], loc.shape[3], loc.shape[4]
     accumulator = accumulator or grad_value_accumulator_dtype(value, Q, L, K)
-    rows = replica_rows(accumulator, Q, S, L, K) if replicas is not False else None
-    if replicas and rows is None:
-        rows = max(1, min(Q * L * K // SAMPLES_PER_REPLICA.value, S // 2))
+    rows = None if replicas is False else replica_rows(accumulator, Q, S, L, K, force=bool(replicas))
     grads = (torch.zeros(value.shape, dtype=accumulator, device=value.device), torch.empty_like(loc),
              torch.empty_like(attn))  # fmt: skip
     copies = None if rows is None else torch.zeros(B, rows, M, D, dtype=accumulator, device=value.device)

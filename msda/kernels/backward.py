@@ -393,16 +393,20 @@ NATIVE_MIN_ELEMENTS = 2**20
 REPLICAS_MIN_SAMPLES_PER_ROW = 0.25
 
 
-def replica_rows(accumulator: torch.dtype, num_queries, num_values, num_levels: int, num_points: int):
+def replica_rows(
+    accumulator: torch.dtype, num_queries, num_values, num_levels: int, num_points: int, *, force: bool = False
+):
     """Rows a batch of the replica buffer, at least 1 (None: no replicas: float32 and float64
     accumulators add exactly enough, and a float32 encoder backward ran 902 us with them against
     890 without, entry 33; or the samples are sparse). A level's replicas
     take at most Q * K / SAMPLES_PER_REPLICA rows (`level_replicas`), so L times that always
     suffices; but at most S / 2 (levels past that get fewer replicas), for memory: in half
     precision grad_value and its replicas together should stay near a float32 grad_value's size.
-    Takes SymInts: no branch on the image size but the sparse one."""
+    Takes SymInts: no branch on the image size but the sparse one. force: rows whatever the
+    accumulator and the density (bench.tune's forced replicas)."""
     samples = num_queries * num_levels * num_points
-    if accumulator not in (torch.float16, torch.bfloat16) or samples <= REPLICAS_MIN_SAMPLES_PER_ROW * num_values:
+    half = accumulator in (torch.float16, torch.bfloat16)
+    if not force and (not half or samples <= REPLICAS_MIN_SAMPLES_PER_ROW * num_values):
         return None
     return torch.sym_max(1, torch.sym_min(samples // SAMPLES_PER_REPLICA.value, num_values // 2))
 
