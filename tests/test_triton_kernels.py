@@ -311,6 +311,37 @@ def test_last_batch_first():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+def test_value_eviction_rule(monkeypatch):
+    """The backward's value gathers take an evict-first hint on Hopper for a half-precision
+    grad_value when the queries are not every pixel (a decoder), and none otherwise; with the
+    hint the kernel gives the same bits (a hint changes no arithmetic)."""
+    monkeypatch.setattr(launch, "register_target", lambda device: True)
+    inputs = make_inputs(SHAPE, torch.float16, DEVICE, outside_fraction=0.25, seed=84)
+    grad_output = random_like_output(inputs)
+    value, shapes, starts, loc, attn = inputs.args()
+    encoder = make_inputs(dataclasses.replace(SHAPE, queries=value.shape[1]), torch.float16, DEVICE, seed=85)
+
+    def hint(inputs, accumulator):
+        value, shapes, starts, loc, attn = inputs.args()
+        grads = (torch.empty(0, dtype=accumulator), torch.empty(0), torch.empty(0))
+        return launch.backward_call(grad_output, value, shapes, starts, loc, attn, *grads)[2]["VALUE_EVICTION"]
+
+    hints = [hint(inputs, dtype) for dtype in (torch.float16, torch.bfloat16, torch.float32)]
+    assert hints == ["evict_first", "evict_first", ""]
+    assert hint(encoder, torch.float16) == ""
+    monkeypatch.setattr(launch, "register_target", lambda device: False)
+    assert hint(inputs, torch.float16) == ""
+    sums = []
+    for eviction in ("", "evict_first"):
+        grads = [torch.zeros_like(value), torch.empty_like(loc), torch.empty_like(attn)]
+        grid, args, constexprs = launch.backward_call(grad_output, value, shapes, starts, loc, attn, *grads)
+        constexprs.pop("maxnreg", None)
+        backward_kernel.msda_backward_kernel[grid](*args, **{**constexprs, "VALUE_EVICTION": eviction})
+        sums.append(grads)
+    for name, a, b in zip(("grad_value", "grad_loc", "grad_attn"), *sums):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_register_target(monkeypatch, dtype):
     """The rule's forward with its register target (Triton's maxnreg, taken on Hopper GPUs and

@@ -49,6 +49,7 @@ def msda_backward_kernel(
     REPLICAS: tl.constexpr,  # spread the adds of dense levels over replicas of their rows
     LAST_BATCH_FIRST: tl.constexpr,  # programs take the batches in reverse order
     GRAD_VALUE: tl.constexpr,  # False: no grad_value (the deterministic mode's lists sum it: deterministic.py)
+    VALUE_EVICTION: tl.constexpr,  # the value gathers' L2 eviction hint ("" or "evict_first")
 ):
     # The forward's program layout and tile (msda/kernels/forward.py explains both).
     pid = tl.program_id(0)
@@ -179,7 +180,12 @@ def msda_backward_kernel(
             # believe the kernel writes `value`.)
             a_top = attn * (1.0 - fy)
             a_bottom = attn * fy
-            v = tl.load(value_ptr + corner, mask=(left & top)[:, :, None, None] & d_ok, other=0.0)
+            v = tl.load(
+                value_ptr + corner,
+                mask=(left & top)[:, :, None, None] & d_ok,
+                other=0.0,
+                eviction_policy=VALUE_EVICTION,
+            )
             dot_tl = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
             if GRAD_VALUE:
                 tl.atomic_add(
@@ -190,7 +196,12 @@ def msda_backward_kernel(
                     mask=(left & top)[:, :, None, None] & d_ok,
                     sem="relaxed",
                 )
-            v = tl.load(value_ptr + corner + ROW, mask=(right & top)[:, :, None, None] & d_ok, other=0.0)
+            v = tl.load(
+                value_ptr + corner + ROW,
+                mask=(right & top)[:, :, None, None] & d_ok,
+                other=0.0,
+                eviction_policy=VALUE_EVICTION,
+            )
             dot_tr = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
             if GRAD_VALUE:
                 tl.atomic_add(
@@ -201,7 +212,12 @@ def msda_backward_kernel(
                     mask=(right & top)[:, :, None, None] & d_ok,
                     sem="relaxed",
                 )
-            v = tl.load(value_ptr + below, mask=(left & bottom)[:, :, None, None] & d_ok, other=0.0)
+            v = tl.load(
+                value_ptr + below,
+                mask=(left & bottom)[:, :, None, None] & d_ok,
+                other=0.0,
+                eviction_policy=VALUE_EVICTION,
+            )
             dot_bl = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
             if GRAD_VALUE:
                 tl.atomic_add(
@@ -215,7 +231,12 @@ def msda_backward_kernel(
                     mask=(left & bottom)[:, :, None, None] & d_ok,
                     sem="relaxed",
                 )
-            v = tl.load(value_ptr + below + ROW, mask=(right & bottom)[:, :, None, None] & d_ok, other=0.0)
+            v = tl.load(
+                value_ptr + below + ROW,
+                mask=(right & bottom)[:, :, None, None] & d_ok,
+                other=0.0,
+                eviction_policy=VALUE_EVICTION,
+            )
             dot_br = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
             if GRAD_VALUE:
                 tl.atomic_add(

@@ -334,6 +334,7 @@ def backward_call(
         # in the L2 anyway, lost 3 us with it (bench/NOTES.md entry 34).
         LAST_BATCH_FIRST=grad_value is not None and grad_value.element_size() >= 4,
         GRAD_VALUE=grad_value is not None,
+        VALUE_EVICTION="evict_first" if grad_value is not None and value_rows_evicted_first(grad_value, Q, S) else "",
     )
     constexprs["PREFETCH"] = bool(config.prefetch) and constexprs["UNROLL"] == 1
     if softmax and scratch is None:
@@ -361,6 +362,21 @@ def backward_call(
         0 if replicas is None else replicas.shape[1],
     )
     return grid, args, constexprs
+
+
+def value_rows_evicted_first(grad_value: Tensor, num_queries, num_values) -> bool:
+    """Whether the backward's value gathers carry an evict-first hint, so that the L2 keeps the
+    grad_value rows they add into: where a half-precision grad_value (45 MB at the decoder
+    preset) and the value would just overflow the L2 together, and each value row is gathered
+    about once (a decoder: Q * L * K * 4 / S = 0.9 corners a row at the preset; an encoder's 64
+    reuse theirs from the L2). On the H200 the half decoders ran 38.4-39.1 us against
+    40.1-40.3, the float32 one (91 MB, never resident) even, the encoders 1.5-5% slower
+    (bench/NOTES.md entry 36). Measured on Hopper only (`register_target`)."""
+    return (
+        grad_value.element_size() == 2
+        and register_target(grad_value.device)
+        and not every_pixel_a_query(num_queries, num_values)
+    )
 
 
 FOLD_TILE_ELEMENTS = 2048  # a fold program's pixels times their M * D elements (rounded up to a power of 2)
