@@ -9,13 +9,16 @@ instructions. Instead each value row gathers its own contributions:
    head) for each sample corner landing there: integer adds, so the counts are the same in any
    order. A cumulative sum (torch.cumsum) gives each row's end in one list of all corners.
 2. The same kernel (FILL) gives each corner a slot in its row's part of the list,
-   `end - atomic_add(count, -1)`, and stores the sample's index times 4 plus the corner there.
-   The slots' order within a row varies run to run.
-3. `msda_gather_grad_value_kernel` takes ROWS rows a program, recomputes each listed corner's
-   contribution (the backward kernel's arithmetic, bit for bit), rounds it to fixed point and
-   sums the integers in registers: the same sum in any order, so the slot order does not
-   matter, and the result is the atomic fixed-point path's to the bit. It writes grad_value
-   once, in the value's dtype: nothing to zero.
+   `end - atomic_add(count, -1)`, and stores the sample's index times 4 plus the corner there;
+   it also writes every corner's bilinear weight times the attention weight (the backward
+   kernel's arithmetic, bit for bit) to a dense array at that same index. The slots' order
+   within a row varies run to run.
+3. `msda_gather_grad_value_kernel` takes ROWS rows a program and walks their lists ENTRIES
+   entries a step (independent loads, in flight together): each entry's weight times its
+   query's grad_output row, rounded to fixed point, summed as integers in registers: the same
+   sum in any order, so the slot order does not matter, and the result is the atomic
+   fixed-point path's to the bit. It writes grad_value once, in the value's dtype: nothing to
+   zero.
 
 The backward kernel computes the other two gradients as usual (GRAD_VALUE=False).
 """
@@ -31,9 +34,11 @@ def msda_corner_lists_kernel(
     shapes_ptr,  # (L, 2)
     starts_ptr,  # (L,), read if LEVEL_STARTS
     loc_ptr,  # (B, Q, M, L, K, 2), contiguous
+    attn_ptr,  # with FILL: (B, Q, M, L, K), contiguous: the weights
     counts_ptr,  # (B, S, M) int32: COUNT adds to zeros; FILL takes them back down to zeros
     ends_ptr,  # with FILL: (B * S * M,) the cumulative sum of the counts
     entries_ptr,  # with FILL: (B * Q * M * L * K * 4,) int32 or int64: the lists
+    weights_ptr,  # with FILL: (B * Q * M * L * K * 4,) in COMPUTE: each corner's weight
     num_queries,
     num_values,
     NUM_HEADS: tl.constexpr,
@@ -68,15 +73,25 @@ def msda_corner_lists_kernel(
         param = first_param + level * NUM_POINTS
         x = tl.load(loc_ptr + 2 * param, mask=mask, other=0.0)
         y = tl.load(loc_ptr + 2 * param + 1, mask=mask, other=0.0)
-        x0, y0, _, _, left, right, top, bottom = place_sample(
+        x0, y0, fx, fy, left, right, top, bottom = place_sample(
             x, y, h, w, level_ok(h, w, start, num_values), mask, COMPUTE
         )
         row = (b * num_values + start + y0 * w + x0) * NUM_HEADS + m  # the top-left corner's
-        _list_corner(counts_ptr, ends_ptr, entries_ptr, row, param * 4, left & top, FILL)
-        _list_corner(counts_ptr, ends_ptr, entries_ptr, row + NUM_HEADS, param * 4 + 1, right & top, FILL)
         below = row + w * NUM_HEADS
-        _list_corner(counts_ptr, ends_ptr, entries_ptr, below, param * 4 + 2, left & bottom, FILL)
-        _list_corner(counts_ptr, ends_ptr, entries_ptr, below + NUM_HEADS, param * 4 + 3, right & bottom, FILL)
+        entry = param * 4
+        _list_corner(counts_ptr, ends_ptr, entries_ptr, row, entry, left & top, FILL)
+        _list_corner(counts_ptr, ends_ptr, entries_ptr, row + NUM_HEADS, entry + 1, right & top, FILL)
+        _list_corner(counts_ptr, ends_ptr, entries_ptr, below, entry + 2, left & bottom, FILL)
+        _list_corner(counts_ptr, ends_ptr, entries_ptr, below + NUM_HEADS, entry + 3, right & bottom, FILL)
+        if FILL:
+            # The backward kernel's products, in its order: the same bits.
+            attn = finite_or_nan(tl.load(attn_ptr + param, mask=mask, other=0.0).to(COMPUTE))
+            a_top = attn * (1.0 - fy)
+            a_bottom = attn * fy
+            tl.store(weights_ptr + entry, a_top * (1.0 - fx), mask=mask)
+            tl.store(weights_ptr + entry + 1, a_top * fx, mask=mask)
+            tl.store(weights_ptr + entry + 2, a_bottom * (1.0 - fx), mask=mask)
+            tl.store(weights_ptr + entry + 3, a_bottom * fx, mask=mask)
         if not LEVEL_STARTS:
             start += h * w
 
@@ -97,11 +112,9 @@ def msda_gather_grad_value_kernel(
     grad_out_ptr,  # (B, Q, M * D), channels contiguous
     grad_out_stride_b,
     grad_out_stride_q,
-    shapes_ptr,  # (L, 2)
-    loc_ptr,  # (B, Q, M, L, K, 2), contiguous
-    attn_ptr,  # (B, Q, M, L, K), contiguous: the weights
     ends_ptr,  # (B * S * M,) int64: where each row's list ends
     entries_ptr,  # the lists (`msda_corner_lists_kernel`)
+    weights_ptr,  # each corner's weight, at its entry
     inverse_scale_ptr,  # float32: 1 / fixed_point_scale
     fixed_point_scale_ptr,  # float32
     grad_value_ptr,  # (B, S, M, D) in the value's dtype: written whole
@@ -111,10 +124,9 @@ def msda_gather_grad_value_kernel(
     HEAD_DIM: tl.constexpr,
     NUM_LEVELS: tl.constexpr,
     NUM_POINTS: tl.constexpr,
-    ROWS: tl.constexpr,  # rows a program, side by side in its tile
-    BLOCK_E: tl.constexpr,  # list entries a row a step
+    ROWS: tl.constexpr,  # rows a program
+    ENTRIES: tl.constexpr,  # list entries a row a step, unrolled: their loads in flight together
     BLOCK_D: tl.constexpr,
-    COMPUTE: tl.constexpr,
     INDEX_64: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -124,53 +136,38 @@ def msda_gather_grad_value_kernel(
     # lists. A program's ROWS rows are consecutive (a pixel's heads, then the next pixel's).
     row = (tl.cdiv(num_rows, ROWS) - 1 - pid) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     row_ok = row < num_rows
-    m = (row % NUM_HEADS)[:, None, None]
-    channel = tl.arange(0, BLOCK_D)[None, None, :]
+    channel = tl.arange(0, BLOCK_D)[None, :]
     d_ok = channel < HEAD_DIM
-    LK: tl.constexpr = NUM_LEVELS * NUM_POINTS
+    head_channel = (row % NUM_HEADS)[:, None] * HEAD_DIM + channel  # [ROWS, BLOCK_D]
     first = tl.load(ends_ptr + row - 1, mask=row_ok & (row > 0), other=0)
     end = tl.load(ends_ptr + row, mask=row_ok, other=0)
     scale = tl.load(fixed_point_scale_ptr)
     total = tl.zeros([ROWS, BLOCK_D], dtype=tl.int64)
     longest = tl.max(end - first, axis=0)
     done = longest * 0
+    ENTRIES_A_QUERY: tl.constexpr = 4 * NUM_HEADS * NUM_LEVELS * NUM_POINTS
     while done < longest:  # (a loop bound loaded from memory: a while loop, which the interpreter runs too)
-        index = first[:, None] + done + tl.arange(0, BLOCK_E)[None, :]  # [ROWS, BLOCK_E]
-        ok = index < end[:, None]
-        entry = tl.load(entries_ptr + index, mask=ok, other=0)
-        param = entry // 4
-        corner = entry % 4
-        level = (param // NUM_POINTS) % NUM_LEVELS
-        h = tl.load(shapes_ptr + 2 * level, mask=ok, other=1)
-        w = tl.load(shapes_ptr + 2 * level + 1, mask=ok, other=1)
-        x = tl.load(loc_ptr + 2 * param, mask=ok, other=0.0)
-        y = tl.load(loc_ptr + 2 * param + 1, mask=ok, other=0.0)
-        attn = finite_or_nan(tl.load(attn_ptr + param, mask=ok, other=0.0).to(COMPUTE))
-        # The backward kernel's arithmetic: the same fractions and weights, to the bit.
-        _, _, fx, fy, _, _, _, _ = place_sample(x, y, h, w, ok, ok, COMPUTE)
-        a_top = attn * (1.0 - fy)
-        a_bottom = attn * fy
-        weight = tl.where(
-            corner < 2,
-            tl.where(corner == 0, a_top * (1.0 - fx), a_top * fx),
-            tl.where(corner == 2, a_bottom * (1.0 - fx), a_bottom * fx),
-        )
-        query = ((param // (NUM_HEADS * LK)) % num_queries)[:, :, None]
-        batch = (param // (num_queries * NUM_HEADS * LK))[:, :, None]
-        ok = ok[:, :, None] & d_ok
-        grad_out = tl.load(
-            grad_out_ptr + batch * grad_out_stride_b + query * grad_out_stride_q + m * HEAD_DIM + channel,
-            mask=ok,
-            other=0.0,
-        ).to(COMPUTE)
-        fixed = (weight[:, :, None] * grad_out * scale).to(tl.int64)
-        total += tl.sum(tl.where(ok, fixed, 0), axis=1)
-        done += BLOCK_E
+        for e in tl.static_range(ENTRIES):
+            index = first + done + e
+            ok = index < end
+            entry = tl.load(entries_ptr + index, mask=ok, other=0)
+            weight = tl.load(weights_ptr + entry, mask=ok, other=0.0)
+            query = entry // ENTRIES_A_QUERY  # batch * num_queries + q
+            batch = query // num_queries
+            grad_out = tl.load(
+                grad_out_ptr
+                + (batch * grad_out_stride_b + (query - batch * num_queries) * grad_out_stride_q)[:, None]
+                + head_channel,
+                mask=ok[:, None] & d_ok,
+                other=0.0,
+            ).to(weight.dtype)
+            # The backward kernel's fixed point: round-toward-zero(weight * grad_out * scale).
+            total += (weight[:, None] * grad_out * scale).to(tl.int64)
+        done += ENTRIES
     # backward.from_fixed_point's conversion: the integer rounded once to float32, times 2**-e.
     grad = total.to(tl.float32) * tl.load(inverse_scale_ptr)
-    out = row[:, None] * HEAD_DIM + tl.arange(0, BLOCK_D)[None, :]
     tl.store(
-        grad_value_ptr + out,
+        grad_value_ptr + row[:, None] * HEAD_DIM + channel,
         grad.to(grad_value_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & (tl.arange(0, BLOCK_D)[None, :] < HEAD_DIM),
+        mask=row_ok[:, None] & d_ok,
     )

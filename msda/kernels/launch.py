@@ -421,12 +421,12 @@ def fold_call(
 
 
 LIST_QUERIES = 16  # queries a program of the corner lists' kernel
-# The gather kernel's tile: rows a program, side by side, and list entries a row a step. Not
-# measured yet (bench/NOTES.md entry 35): a decoder's rows are mostly empty (many rows a program
-# cost less), an encoder's coarse rows hold about 1,300 entries (fewer rows a program, a shorter
-# critical path).
-LIST_ROWS = 4
-LIST_ENTRIES = 16
+# The gather kernel's tile: rows a program, and list entries a row a step (unrolled, their loads
+# in flight together). Not measured yet (bench/NOTES.md entry 35): a decoder's rows are mostly
+# empty (many rows a program cost less), an encoder's coarse rows hold about 1,300 entries
+# (more entries a step, a shorter critical path).
+LIST_ROWS = 16
+LIST_ENTRIES = 4
 
 
 def deterministic_grad_value(
@@ -448,9 +448,10 @@ def deterministic_grad_value(
     device = value.device
     corners = B * Q * M * L * K * 4  # every sample's four corners, listed or not
     index_64 = needs_int64(value, sampling_locations, grad_output) or corners >= 2**31
+    compute = compute_dtype(value, sampling_locations, attention_weights)
     counts = torch.zeros((B, S, M), dtype=torch.int32, device=device)
     entries = torch.empty((corners,), dtype=torch.int64 if index_64 else torch.int32, device=device)
-    compute = compute_dtype(value, sampling_locations, attention_weights)
+    weights = torch.empty((corners,), dtype=torch.float64 if compute == tl.float64 else torch.float32, device=device)
     lists = dict(
         NUM_HEADS=M,
         NUM_LEVELS=L,
@@ -465,11 +466,12 @@ def deterministic_grad_value(
     grid = (_cdiv(Q, LIST_QUERIES) * B * M,)
     starts = spatial_shapes if level_start_index is None else level_start_index  # unread if None
     # Unread placeholders (spatial_shapes) where the counting pass has no lists yet.
-    launch(msda_corner_lists_kernel, grid, (spatial_shapes, starts, sampling_locations, counts, spatial_shapes,
-                                            spatial_shapes, Q, S), {**lists, "FILL": False})  # fmt: skip
+    unread = spatial_shapes
+    launch(msda_corner_lists_kernel, grid, (spatial_shapes, starts, sampling_locations, unread, counts, unread,
+                                            unread, unread, Q, S), {**lists, "FILL": False})  # fmt: skip
     ends = counts.view(-1).cumsum(0)
-    launch(msda_corner_lists_kernel, grid, (spatial_shapes, starts, sampling_locations, counts, ends, entries, Q, S),
-           {**lists, "FILL": True})  # fmt: skip
+    launch(msda_corner_lists_kernel, grid, (spatial_shapes, starts, sampling_locations, attention_weights, counts,
+                                            ends, entries, weights, Q, S), {**lists, "FILL": True})  # fmt: skip
     grad_value = torch.empty(value.shape, dtype=value.dtype, device=device)
     rows = B * S * M
     gather = dict(
@@ -478,15 +480,14 @@ def deterministic_grad_value(
         NUM_LEVELS=L,
         NUM_POINTS=K,
         ROWS=LIST_ROWS,
-        BLOCK_E=LIST_ENTRIES,
+        ENTRIES=LIST_ENTRIES,
         BLOCK_D=_next_power_of_2(D),
-        COMPUTE=compute,
         INDEX_64=index_64 or needs_int64(grad_value),
-        num_warps=4,
+        num_warps=max(1, min(8, LIST_ROWS * _next_power_of_2(D) * value.element_size() // 16 // 32)),
     )
     inverse_scale = fixed_point_scale.reciprocal()  # exact: a power of two
-    args = (grad_output, grad_output.stride(0), grad_output.stride(1), spatial_shapes, sampling_locations,
-            attention_weights, ends, entries, inverse_scale, fixed_point_scale, grad_value, Q, rows)  # fmt: skip
+    args = (grad_output, grad_output.stride(0), grad_output.stride(1), ends, entries, weights, inverse_scale,
+            fixed_point_scale, grad_value, Q, rows)  # fmt: skip
     if rows > 0:
         launch(msda_gather_grad_value_kernel, (_cdiv(rows, LIST_ROWS),), args, gather)
     return grad_value
