@@ -427,6 +427,8 @@ LIST_QUERIES = 16  # queries a program of the corner lists' kernel
 # (more entries a step, a shorter critical path).
 LIST_ROWS = 16
 LIST_ENTRIES = 4
+LIST_COUNT_STRIDE = 1
+LIST_WEIGHTS_AT_SLOT = False
 
 
 def deterministic_grad_value(
@@ -449,7 +451,7 @@ def deterministic_grad_value(
     corners = B * Q * M * L * K * 4  # every sample's four corners, listed or not
     index_64 = needs_int64(value, sampling_locations, grad_output) or corners >= 2**31
     compute = compute_dtype(value, sampling_locations, attention_weights)
-    counts = torch.zeros((B, S, M), dtype=torch.int32, device=device)
+    counts = torch.zeros((B * S * M * LIST_COUNT_STRIDE,), dtype=torch.int32, device=device)
     entries = torch.empty((corners,), dtype=torch.int64 if index_64 else torch.int32, device=device)
     weights = torch.empty((corners,), dtype=torch.float64 if compute == tl.float64 else torch.float32, device=device)
     lists = dict(
@@ -461,6 +463,8 @@ def deterministic_grad_value(
         COMPUTE=compute,
         INDEX_64=index_64,
         LEVEL_STARTS=level_start_index is not None,
+        COUNT_STRIDE=LIST_COUNT_STRIDE,
+        WEIGHTS_AT_SLOT=LIST_WEIGHTS_AT_SLOT,
         num_warps=max(1, min(8, LIST_QUERIES * _next_power_of_2(K) // 32)),
     )
     grid = (_cdiv(Q, LIST_QUERIES) * B * M,)
@@ -469,7 +473,7 @@ def deterministic_grad_value(
     unread = spatial_shapes
     launch(msda_corner_lists_kernel, grid, (spatial_shapes, starts, sampling_locations, unread, counts, unread,
                                             unread, unread, Q, S), {**lists, "FILL": False})  # fmt: skip
-    ends = counts.view(-1).cumsum(0)
+    ends = counts[::LIST_COUNT_STRIDE].cumsum(0)
     launch(msda_corner_lists_kernel, grid, (spatial_shapes, starts, sampling_locations, attention_weights, counts,
                                             ends, entries, weights, Q, S), {**lists, "FILL": True})  # fmt: skip
     grad_value = torch.empty(value.shape, dtype=value.dtype, device=device)
@@ -483,6 +487,7 @@ def deterministic_grad_value(
         ENTRIES=LIST_ENTRIES,
         BLOCK_D=_next_power_of_2(D),
         INDEX_64=index_64 or needs_int64(grad_value),
+        WEIGHTS_AT_SLOT=LIST_WEIGHTS_AT_SLOT,
         num_warps=max(1, min(8, LIST_ROWS * _next_power_of_2(D) * value.element_size() // 16 // 32)),
     )
     inverse_scale = fixed_point_scale.reciprocal()  # exact: a power of two
