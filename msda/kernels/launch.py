@@ -422,13 +422,16 @@ def fold_call(
 
 LIST_QUERIES = 16  # queries a program of the corner lists' kernel
 # The gather kernel's tile: rows a program, and list entries a row a step (unrolled, their loads
-# in flight together). Not measured yet (bench/NOTES.md entry 35): a decoder's rows are mostly
-# empty (many rows a program cost less), an encoder's coarse rows hold about 1,300 entries
-# (more entries a step, a shorter critical path).
+# in flight together). On the H200 (bench/NOTES.md entry 36) 16 x 4 against 16 x 2: the decoder
+# 90 us against 74, the encoder 700 against 850; 4 x 16 lost the decoder (226 us) and won only
+# the half encoder (718 against 840).
 LIST_ROWS = 16
 LIST_ENTRIES = 4
-LIST_COUNT_STRIDE = 1
-LIST_WEIGHTS_AT_SLOT = False
+# A row's counter every 32 bytes (one L2 sector), not every 4: the counters of a coarse level's
+# rows, each hit by about 1,300 corners at the encoder, then spread over more L2 slices. On the
+# H200 the encoder's count pass ran 259 us against 441, its fill 836 against 947; the decoder
+# lost 11 us zeroing the wider counters (bench/NOTES.md entry 36).
+LIST_COUNT_STRIDE = 8
 
 
 def deterministic_grad_value(
@@ -464,7 +467,6 @@ def deterministic_grad_value(
         INDEX_64=index_64,
         LEVEL_STARTS=level_start_index is not None,
         COUNT_STRIDE=LIST_COUNT_STRIDE,
-        WEIGHTS_AT_SLOT=LIST_WEIGHTS_AT_SLOT,
         num_warps=max(1, min(8, LIST_QUERIES * _next_power_of_2(K) // 32)),
     )
     grid = (_cdiv(Q, LIST_QUERIES) * B * M,)
@@ -487,7 +489,6 @@ def deterministic_grad_value(
         ENTRIES=LIST_ENTRIES,
         BLOCK_D=_next_power_of_2(D),
         INDEX_64=index_64 or needs_int64(grad_value),
-        WEIGHTS_AT_SLOT=LIST_WEIGHTS_AT_SLOT,
         num_warps=max(1, min(8, LIST_ROWS * _next_power_of_2(D) * value.element_size() // 16 // 32)),
     )
     inverse_scale = fixed_point_scale.reciprocal()  # exact: a power of two
