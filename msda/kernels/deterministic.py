@@ -65,7 +65,7 @@ def msda_corner_lists_kernel(
     mask = (q < num_queries) & (point < NUM_POINTS)
     LK: tl.constexpr = NUM_LEVELS * NUM_POINTS
     first_param = ((b * num_queries + q) * NUM_HEADS + m) * LK + point  # [BLOCK_Q, BLOCK_K]
-    HEAD_STRIDE: tl.constexpr = NUM_HEADS * COUNT_STRIDE  # from one head's counter to the next pixel's
+    NEXT_PIXEL: tl.constexpr = NUM_HEADS * COUNT_STRIDE  # from a row's counter to the next pixel's (same head)
     start = b * 0
     for level in tl.static_range(NUM_LEVELS):  # unrolled: the levels' atomics in flight together
         h = tl.load(shapes_ptr + 2 * level).to(b.dtype)
@@ -86,10 +86,6 @@ def msda_corner_lists_kernel(
             attn = finite_or_nan(tl.load(attn_ptr + param, mask=mask, other=0.0).to(COMPUTE))
             a_top = attn * (1.0 - fy)
             a_bottom = attn * fy
-            w_tl = a_top * (1.0 - fx)
-            w_tr = a_top * fx
-            w_bl = a_bottom * (1.0 - fx)
-            w_br = a_bottom * fx
             # Dense, at each corner's entry: coalesced stores here (written at the slots, beside
             # the entries, the fill ran 12-19% longer and the gather 8% shorter on the H200).
             tl.store(weights_ptr + entry, a_top * (1.0 - fx), mask=mask)
@@ -99,9 +95,10 @@ def msda_corner_lists_kernel(
         counter = row * COUNT_STRIDE
         below_counter = below * COUNT_STRIDE
         _list_corner(counts_ptr, ends_ptr, entries_ptr, counter, row, entry, left & top, FILL)
-        _list_corner(counts_ptr, ends_ptr, entries_ptr, counter + HEAD_STRIDE, row + NUM_HEADS, entry + 1, right & top, FILL)
+        _list_corner(counts_ptr, ends_ptr, entries_ptr, counter + NEXT_PIXEL, row + NUM_HEADS, entry + 1, right & top,
+                     FILL)  # fmt: skip
         _list_corner(counts_ptr, ends_ptr, entries_ptr, below_counter, below, entry + 2, left & bottom, FILL)
-        _list_corner(counts_ptr, ends_ptr, entries_ptr, below_counter + HEAD_STRIDE, below + NUM_HEADS, entry + 3,
+        _list_corner(counts_ptr, ends_ptr, entries_ptr, below_counter + NEXT_PIXEL, below + NUM_HEADS, entry + 3,
                      right & bottom, FILL)  # fmt: skip
         if not LEVEL_STARTS:
             start += h * w
