@@ -3,6 +3,7 @@
     python -m bench.tune [--presets decoder encoder] [--dtypes float32 float16 bfloat16]
                          [--dists uniform local] [--kernels fwd bwd]
                          [--forward 16,2,0 8,2,0 ...] [--backward 4,4,0 ...] [--float32-params]
+                         [--lists 4,16 1,32 ...]
 
 Each variant is a msda.kernels.launch.TileConfig (block_q,groups,threads_per_row[,unroll_levels
 [,prefetch[,bf16_pairs[,lane_placement[,lane_unroll[,max_registers]]]]]]; threads_per_row 0 reads a
@@ -13,6 +14,10 @@ through the same argument builders as the operator: nothing in msda is patched. 
 CUDA-graph replay of the kernel launches (the backward's zeroing of grad_value included), every
 variant's output checked against the float64 reference in the same run, and the peer deformops
 beside it when importable. bench/NOTES.md logs what the sweeps chose.
+
+--lists times the deterministic mode's backward (kernels/deterministic.py) at each gather tile
+ROWS,ENTRIES (launch.LIST_ROWS, launch.LIST_ENTRIES), against the default atomic backward and the
+64-bit atomic fixed-point path it replaces, each checked against the float64 reference.
 
 --ncu launches each variant once between cudaProfilerStart and cudaProfilerStop instead of
 timing it, for Nsight Compute's counters (bench/NOTES.md entry 26 read these):
@@ -32,6 +37,8 @@ import torch
 
 from msda.kernels import launch
 from msda.kernels.backward import (
+    fixed_point_scale,
+    from_fixed_point,
     grad_value_accumulator_dtype,
     msda_backward_kernel,
     msda_fold_replicas_kernel,
@@ -87,6 +94,34 @@ def backward_launch(inputs, grad_output, tile: launch.TileConfig, accumulator: t
     return run, grads
 
 
+def deterministic_launch(inputs, grad_output, tile: tuple[int, int] | None):
+    """(a callable running the deterministic mode's backward, the three gradients it last gave):
+    tile (rows, entries): the per-row lists at that gather tile; None: the 64-bit atomic
+    fixed-point path (an int64 grad_value zeroed, added into, converted)."""
+    value, shapes, starts, loc, attn = inputs.args()
+    Q, L, K = loc.shape[1], loc.shape[3], loc.shape[4]
+    scale = fixed_point_scale(grad_output, attn, Q * L * K)
+    grads = [None, torch.empty_like(loc), torch.empty_like(attn)]
+    fixed = torch.zeros(value.shape, dtype=torch.int64, device=value.device) if tile is None else None
+    grid, args, constexprs = launch.backward_call(grad_output, value, shapes, starts, loc, attn, fixed, *grads[1:],
+                                                  fixed_point_scale=scale)  # fmt: skip
+
+    def run():
+        if tile is None:
+            fixed.zero_()
+        msda_backward_kernel[grid](*args, **constexprs)
+        if tile is None:
+            grads[0] = from_fixed_point(fixed, scale, value.dtype)
+            return
+        launch.LIST_ROWS, launch.LIST_ENTRIES = tile
+        grads[0] = launch.deterministic_grad_value(
+            lambda kernel, grid, args, constexprs: kernel[grid](*args, **constexprs),
+            grad_output, value, shapes, starts, loc, attn, scale,
+        )  # fmt: skip
+
+    return run, grads
+
+
 def profile_once(inputs, opts, dtype: torch.dtype) -> None:
     """Each forward and backward variant launched once inside cudaProfilerStart/Stop (after a
     launch outside it that compiles), for ncu --profile-from-start off."""
@@ -127,6 +162,14 @@ def _tiles(text: str) -> launch.TileConfig:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
 
 
+def _pair(text: str) -> tuple[int, int]:
+    try:
+        rows, entries = (int(n) for n in text.split(","))
+        return rows, entries
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ROWS,ENTRIES") from None
+
+
 def _name(tile: launch.TileConfig) -> str:
     return ",".join(str(n) for n in tile)
 
@@ -139,6 +182,8 @@ def main() -> None:
     parser.add_argument("--kernels", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     parser.add_argument("--forward", nargs="+", type=_tiles, default=FORWARD_SWEEP, metavar="Q,G,T[,...]")
     parser.add_argument("--backward", nargs="+", type=_tiles, default=BACKWARD_SWEEP, metavar="Q,G,T")
+    parser.add_argument("--lists", nargs="+", type=_pair, default=[], metavar="ROWS,ENTRIES",
+                        help="time the deterministic backward at these gather tiles")  # fmt: skip
     parser.add_argument("--ncu", action="store_true", help="launch each variant once for ncu, time nothing")
     parser.add_argument("--float32-params", action="store_true",
                         help="float32 locations and weights with half-precision values (default: the "
@@ -183,6 +228,22 @@ def main() -> None:
                         worst = max(relative_error(g, r) for g, r in zip(grads, expected))
                         line.append(f"{_name(tile)}: {t.median_us:.1f} ({worst:.0e})")
                     print(f"bwd {cell} | " + "  ".join(line), flush=True)
+                if opts.lists and not opts.ncu:
+                    Q, M, D = PRESETS[preset].queries, PRESETS[preset].heads, PRESETS[preset].head_dim
+                    grad = torch.randn(inputs.value.shape[0], Q, M * D, device="cuda").to(dtype)
+                    expected = reference_with_grads(inputs, grad)[1:]
+                    run, _ = backward_launch(inputs, grad, launch.backward_config(4, 4, D, dtype))
+                    line = [f"atomic: {graph_device_time(run, calls=10, replays=5).median_us:.1f}"]
+                    rows, entries = launch.LIST_ROWS, launch.LIST_ENTRIES
+                    for tile in [None, *opts.lists]:
+                        run, grads = deterministic_launch(inputs, grad, tile)
+                        t = graph_device_time(run, calls=10, replays=5)
+                        run()
+                        worst = max(relative_error(g, r) for g, r in zip(grads, expected))
+                        name = "int64 atomics" if tile is None else f"lists {tile[0]}x{tile[1]}"
+                        line.append(f"{name}: {t.median_us:.1f} ({worst:.0e})")
+                    launch.LIST_ROWS, launch.LIST_ENTRIES = rows, entries
+                    print(f"deterministic {cell} | " + "  ".join(line), flush=True)
                 del inputs
                 torch.cuda.empty_cache()
 

@@ -27,12 +27,14 @@ if ops.HAS_TRITON:
         msda_backward_kernel,
         msda_fold_replicas_kernel,
     )
+    from .kernels.deterministic import msda_corner_lists_kernel, msda_gather_grad_value_kernel
     from .kernels.direct import DirectLauncher
     from .kernels.forward import msda_forward_kernel
 
     _forward_kernel = DirectLauncher(msda_forward_kernel)
     _backward_kernel = DirectLauncher(msda_backward_kernel)
     _fold_kernel = DirectLauncher(msda_fold_replicas_kernel)
+    _LISTS = {kernel: DirectLauncher(kernel) for kernel in (msda_corner_lists_kernel, msda_gather_grad_value_kernel)}
 
 _FLOATS = frozenset(validation.FLOAT_DTYPES)
 _INDICES = frozenset(validation.INDEX_DTYPES)
@@ -172,7 +174,7 @@ def launch_backward(
     B, S, M, D = value.shape
     _, Q, _, L, K, _ = sampling_locations.shape
     grad_value, fixed_point_scale, replicas = grad_value_buffer(
-        value, grad_output, None if softmax else attention_weights, Q, L, K
+        value, grad_output, None if softmax else attention_weights, Q, L, K, lists=not softmax
     )
     grad_loc = torch.empty(sampling_locations.shape, dtype=sampling_locations.dtype, device=value.device)
     grad_attn = torch.empty(attention_weights.shape, dtype=attention_weights.dtype, device=value.device)
@@ -192,6 +194,15 @@ def launch_backward(
         if replicas is not None:
             grid, args, constexprs = launch.fold_call(grad_value, replicas, spatial_shapes, level_start_index, Q, K)
             _launch(_fold_kernel, grid, args, constexprs, value.device)
+    if grad_value is None:  # the deterministic mode's lists (ops._launch_backward has the same)
+        if grad_attn.numel() == 0:
+            return torch.zeros_like(value), grad_loc, grad_attn
+        grad_value = launch.deterministic_grad_value(
+            lambda kernel, grid, args, constexprs: _launch(_LISTS[kernel], grid, args, constexprs, value.device),
+            grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+            fixed_point_scale,
+        )  # fmt: skip
+        return grad_value, grad_loc, grad_attn
     return finish_grad_value(grad_value, fixed_point_scale, value.dtype), grad_loc, grad_attn
 
 

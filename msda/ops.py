@@ -149,8 +149,10 @@ def _launch_backward(
     their gradient."""
     _, Q, _, L, K, _ = sampling_locations.shape
     # Softmax weights are at most 1: the fixed-point bound needs no max over the logits.
+    # The deterministic mode sums grad_value from per-row lists (kernels/deterministic.py), except
+    # in the fused-softmax kernels (their weights exist only inside the kernel): 64-bit atomics.
     grad_value, fixed_point_scale, replicas = grad_value_buffer(
-        value, grad_output, None if softmax else attention_weights, Q, L, K
+        value, grad_output, None if softmax else attention_weights, Q, L, K, lists=not softmax
     )
     # Every element of these two is written by exactly one program: no zeroing needed.
     grad_loc = torch.empty(sampling_locations.shape, dtype=sampling_locations.dtype, device=value.device)
@@ -189,7 +191,26 @@ def _launch_backward(
                     grad_value, replicas, spatial_shapes.contiguous(), level_start_index.contiguous(), Q, K
                 )
                 wrap_triton(msda_fold_replicas_kernel)[grid](*args, **constexprs)
+    if grad_value is None:  # the deterministic mode's lists
+        if grad_attn.numel() == 0:
+            return torch.zeros_like(value), grad_loc, grad_attn
+        with _on_device(value.device):
+            grad_value = launch.deterministic_grad_value(
+                _traceable_launch,
+                grad_output if grad_output.stride(2) == 1 else grad_output.contiguous(),
+                value.contiguous(),
+                spatial_shapes.contiguous(),
+                level_start_index.contiguous(),
+                sampling_locations.contiguous(),
+                attention_weights.contiguous(),
+                fixed_point_scale,
+            )
+        return grad_value, grad_loc, grad_attn
     return finish_grad_value(grad_value, fixed_point_scale, value.dtype), grad_loc, grad_attn
+
+
+def _traceable_launch(kernel, grid, args, constexprs) -> None:
+    wrap_triton(kernel)[grid](*args, **constexprs)
 
 
 # Fake implementations: exactly what the bodies return (fresh contiguous tensors), with the same

@@ -47,6 +47,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from msda.kernels import launch  # noqa: E402
 from msda.kernels.backward import msda_backward_kernel, msda_fold_replicas_kernel  # noqa: E402
+from msda.kernels.deterministic import msda_corner_lists_kernel, msda_gather_grad_value_kernel  # noqa: E402
 from msda.kernels.forward import msda_forward_kernel  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -79,7 +80,14 @@ OUTPUTS = {("msda_forward_kernel", False): ["out_ptr"],
 
 
 def outputs(kernel, constexprs: dict, softmax: bool) -> list[str]:
-    return sorted(OUTPUTS[kernel.__name__, softmax] + (["replica_ptr"] if constexprs.get("REPLICAS") else []))
+    if kernel is msda_corner_lists_kernel:  # counting, then listing
+        return ["counts_ptr", "entries_ptr", "weights_ptr"] if constexprs["FILL"] else ["counts_ptr"]
+    if kernel is msda_gather_grad_value_kernel:
+        return ["grad_value_ptr"]
+    written = OUTPUTS[kernel.__name__, softmax] + (["replica_ptr"] if constexprs.get("REPLICAS") else [])
+    if constexprs.get("GRAD_VALUE") is False:  # the deterministic mode's lists sum grad_value
+        written.remove("grad_value_ptr")
+    return sorted(written)
 
 
 def kernel_calls(
@@ -130,6 +138,14 @@ def kernel_calls(
                 torch.zeros_like(loc), torch.zeros_like(attn), softmax=softmax, scratch=scratch,
                 fixed_point_scale=torch.ones(1),
             )[1:]))  # fmt: skip
+            if not softmax:  # the deterministic mode's lists: the backward without grad_value, and their kernels
+                calls.append((msda_backward_kernel, *launch.backward_call(
+                    out, value, shapes, starts, loc, attn, None, torch.zeros_like(loc), torch.zeros_like(attn),
+                )[1:]))  # fmt: skip
+                launch.deterministic_grad_value(
+                    lambda kernel, grid, args, constexprs: calls.append((kernel, args, constexprs)),
+                    out, value, shapes, starts, loc, attn, torch.ones(1),
+                )
     finally:
         launch.needs_int64, launch.register_target = needs_int64, register_target
     return calls

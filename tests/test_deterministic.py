@@ -1,8 +1,10 @@
 """Deterministic mode (docs/contract.md): under torch.use_deterministic_algorithms(True) the Triton
-backward sums grad_value in 64-bit fixed point (integer atomics, the same bits in any order);
-float64 takes the pure-PyTorch backward, whose scatter is deterministic in that mode. On CPU this
-runs through the Triton backend (the interpreter); tests/gpu checks on CUDA that the gradients
-are bitwise equal run to run, compiled and in CUDA graphs too."""
+backward sums grad_value in 64-bit fixed point (integers: the same bits in any order), from a list
+of the corners on each value row (kernels/deterministic.py; the fused-softmax kernels add the
+integers with atomics instead); float64 takes the pure-PyTorch backward, whose scatter is
+deterministic in that mode. On CPU this runs through the Triton backend (the interpreter);
+tests/gpu checks on CUDA that the gradients are bitwise equal run to run, compiled and in CUDA
+graphs too."""
 
 import math
 from unittest import mock
@@ -12,6 +14,7 @@ import torch
 
 from msda import torch_impl
 from msda.kernels import backward as backward_kernel
+from msda.kernels import launch
 from msda.testing import Shape, make_inputs
 
 from .helpers import assert_matches_reference, forward_backward, random_like_output
@@ -36,12 +39,12 @@ def test_deterministic_mode_sums_in_fixed_point(mode, request):
     with (
         backend("triton"),
         mock.patch.object(torch_impl, "backward", wraps=torch_impl.backward) as pure_pytorch,
-        mock.patch.object(backward_kernel, "from_fixed_point", wraps=backward_kernel.from_fixed_point) as fixed,
+        mock.patch.object(launch, "deterministic_grad_value", wraps=launch.deterministic_grad_value) as lists,
     ):
         results = forward_backward(inputs, grad_output)
         again = forward_backward(inputs, grad_output)
     assert pure_pytorch.call_count == 0
-    assert fixed.call_count == (2 if mode == "deterministic" else 0)
+    assert lists.call_count == (2 if mode == "deterministic" else 0)
     assert_matches_reference(inputs, results, grad_output)
     for a, b in zip(results, again):
         assert torch.equal(a, b)
@@ -92,3 +95,34 @@ def test_fixed_point_scale_is_nan_for_non_finite_inputs(bad):
     weights[1, 2, 0] = bad
     assert math.isnan(backward_kernel.fixed_point_scale(grad_output, weights, 10).item())
     assert math.isnan(backward_kernel.fixed_point_scale(weights, None, 10).item())
+
+
+@pytest.mark.parametrize("rows, entries", [(None, None), (1, 2), (8, 4)], ids=["rule", "1x2", "8x4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@interpreted
+def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, dtype, rows, entries):
+    """grad_value summed from the per-row lists equals, bit for bit, the backward kernel's 64-bit
+    atomic adds of the same fixed-point contributions (the path the fused-softmax kernels keep),
+    with samples outside the levels and a level of one pixel; at the rule's gather tile and at
+    others (lists longer than a step, a program's rows past the last row)."""
+    if rows is not None:
+        monkeypatch.setattr(launch, "LIST_ROWS", rows)
+        monkeypatch.setattr(launch, "LIST_ENTRIES", entries)
+    shape = Shape(2, 7, 2, 6, ((3, 4), (2, 2), (1, 1)), 3)
+    inputs = make_inputs(shape, dtype, outside_fraction=0.25, seed=8)
+    grad_output = random_like_output(inputs)
+    value, shapes, starts, loc, attn = inputs.args()
+    scale = backward_kernel.fixed_point_scale(grad_output, attn, loc.shape[1] * 3 * 3)
+    grads = [torch.zeros(value.shape, dtype=torch.int64), torch.empty_like(loc), torch.empty_like(attn)]
+    grid, args, constexprs = launch.backward_call(grad_output, value, shapes, starts, loc, attn, *grads,
+                                                  fixed_point_scale=scale)  # fmt: skip
+    backward_kernel.msda_backward_kernel[grid](*args, **constexprs)
+    atomic = backward_kernel.from_fixed_point(grads[0], scale, dtype)
+
+    def run(kernel, grid, args, constexprs):
+        kernel[grid](*args, **constexprs)
+
+    for given in (starts, None):  # level starts given, and summed in the kernel
+        listed = launch.deterministic_grad_value(run, grad_output, value, shapes, given, loc, attn, scale)
+        assert listed.dtype == dtype and torch.equal(listed, atomic)
+    assert atomic.abs().sum() > 0

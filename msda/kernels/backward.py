@@ -48,6 +48,7 @@ def msda_backward_kernel(
     PREFETCH: tl.constexpr,  # load each step's parameters one step ahead (UNROLL 1)
     REPLICAS: tl.constexpr,  # spread the adds of dense levels over replicas of their rows
     LAST_BATCH_FIRST: tl.constexpr,  # programs take the batches in reverse order
+    GRAD_VALUE: tl.constexpr,  # False: no grad_value (the deterministic mode's lists sum it: deterministic.py)
     VALUE_EVICTION: tl.constexpr,  # the value gathers' L2 eviction hint ("" or "evict_first")
 ):
     # The forward's program layout and tile (msda/kernels/forward.py explains both).
@@ -186,14 +187,15 @@ def msda_backward_kernel(
                 eviction_policy=VALUE_EVICTION,
             )
             dot_tl = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
-            tl.atomic_add(
-                accumulator + corner,
-                _to_accumulator(
-                    (a_top * (1.0 - fx))[:, :, None, None] * grad_out, fixed_point_scale, ACCUMULATOR, FIXED_POINT
-                ),
-                mask=(left & top)[:, :, None, None] & d_ok,
-                sem="relaxed",
-            )
+            if GRAD_VALUE:
+                tl.atomic_add(
+                    accumulator + corner,
+                    _to_accumulator(
+                        (a_top * (1.0 - fx))[:, :, None, None] * grad_out, fixed_point_scale, ACCUMULATOR, FIXED_POINT
+                    ),
+                    mask=(left & top)[:, :, None, None] & d_ok,
+                    sem="relaxed",
+                )
             v = tl.load(
                 value_ptr + corner + ROW,
                 mask=(right & top)[:, :, None, None] & d_ok,
@@ -201,14 +203,15 @@ def msda_backward_kernel(
                 eviction_policy=VALUE_EVICTION,
             )
             dot_tr = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
-            tl.atomic_add(
-                accumulator + corner + ROW,
-                _to_accumulator(
-                    (a_top * fx)[:, :, None, None] * grad_out, fixed_point_scale, ACCUMULATOR, FIXED_POINT
-                ),
-                mask=(right & top)[:, :, None, None] & d_ok,
-                sem="relaxed",
-            )
+            if GRAD_VALUE:
+                tl.atomic_add(
+                    accumulator + corner + ROW,
+                    _to_accumulator(
+                        (a_top * fx)[:, :, None, None] * grad_out, fixed_point_scale, ACCUMULATOR, FIXED_POINT
+                    ),
+                    mask=(right & top)[:, :, None, None] & d_ok,
+                    sem="relaxed",
+                )
             v = tl.load(
                 value_ptr + below,
                 mask=(left & bottom)[:, :, None, None] & d_ok,
@@ -216,17 +219,18 @@ def msda_backward_kernel(
                 eviction_policy=VALUE_EVICTION,
             )
             dot_bl = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
-            tl.atomic_add(
-                accumulator + below,
-                _to_accumulator(
-                    (a_bottom * (1.0 - fx))[:, :, None, None] * grad_out,
-                    fixed_point_scale,
-                    ACCUMULATOR,
-                    FIXED_POINT,
-                ),
-                mask=(left & bottom)[:, :, None, None] & d_ok,
-                sem="relaxed",
-            )
+            if GRAD_VALUE:
+                tl.atomic_add(
+                    accumulator + below,
+                    _to_accumulator(
+                        (a_bottom * (1.0 - fx))[:, :, None, None] * grad_out,
+                        fixed_point_scale,
+                        ACCUMULATOR,
+                        FIXED_POINT,
+                    ),
+                    mask=(left & bottom)[:, :, None, None] & d_ok,
+                    sem="relaxed",
+                )
             v = tl.load(
                 value_ptr + below + ROW,
                 mask=(right & bottom)[:, :, None, None] & d_ok,
@@ -234,14 +238,15 @@ def msda_backward_kernel(
                 eviction_policy=VALUE_EVICTION,
             )
             dot_br = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
-            tl.atomic_add(
-                accumulator + below + ROW,
-                _to_accumulator(
-                    (a_bottom * fx)[:, :, None, None] * grad_out, fixed_point_scale, ACCUMULATOR, FIXED_POINT
-                ),
-                mask=(right & bottom)[:, :, None, None] & d_ok,
-                sem="relaxed",
-            )
+            if GRAD_VALUE:
+                tl.atomic_add(
+                    accumulator + below + ROW,
+                    _to_accumulator(
+                        (a_bottom * fx)[:, :, None, None] * grad_out, fixed_point_scale, ACCUMULATOR, FIXED_POINT
+                    ),
+                    mask=(right & bottom)[:, :, None, None] & d_ok,
+                    sem="relaxed",
+                )
             grad_attn = (1.0 - fy) * ((1.0 - fx) * dot_tl + fx * dot_tr) + fy * ((1.0 - fx) * dot_bl + fx * dot_br)
             # d/dx_im of the bilinear weights, then the chain rule through x_im = x * W - 0.5.
             grad_x = ((1.0 - fy) * (dot_tr - dot_tl) + fy * (dot_br - dot_bl)) * attn * w.to(COMPUTE)
@@ -414,8 +419,7 @@ def replica_rows(
 ):
     """Rows a batch of the replica buffer, at least 1 (None: no replicas: float32 and float64
     accumulators add exactly enough, and a float32 encoder backward ran 902 us with them against
-    890 without, entry 33, and no faster with copies of its coarsest level only, entry 34; or the
-    samples are sparse). A level's replicas
+    890 without, entry 33; or the samples are sparse). A level's replicas
     take at most Q * K / SAMPLES_PER_REPLICA rows (`level_replicas`), so L times that always
     suffices; but at most S / 2 (levels past that get fewer replicas), for memory: in half
     precision grad_value and its replicas together should stay near a float32 grad_value's size.
@@ -473,13 +477,17 @@ def grad_value_buffer(
     num_queries: int,
     num_levels: int,
     num_points: int,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    lists: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(zeros the kernel scatters grad_value into, fixed-point scale or None, zeros for the
     replicas of dense levels or None). Under torch.use_deterministic_algorithms(True): int64 and
-    its scale (attention_weights None: softmax weights, at most 1), no replicas; else
+    its scale (attention_weights None: softmax weights, at most 1), no replicas; with `lists`
+    no buffer at all (None: kernels/deterministic.py sums grad_value); else
     `grad_value_accumulator_dtype`'s dtype, with replicas where `replica_rows` asks for them."""
     if torch.are_deterministic_algorithms_enabled():
         scale = fixed_point_scale(grad_output, attention_weights, num_queries * num_levels * num_points)
+        if lists:
+            return None, scale, None
         return torch.zeros(value.shape, dtype=torch.int64, device=value.device), scale, None
     dtype = grad_value_accumulator_dtype(value, num_queries, num_levels, num_points)
     plain = type(value) is torch.Tensor  # not traced (fake or functional tensors under compile and export)

@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .backward import msda_backward_kernel
+from .deterministic import msda_corner_lists_kernel, msda_gather_grad_value_kernel
 from .forward import msda_forward_kernel
 
 
@@ -287,7 +288,7 @@ def backward_call(
     level_start_index: Tensor | None,
     sampling_locations: Tensor,
     attention_weights: Tensor,
-    grad_value: Tensor,
+    grad_value: Tensor | None,
     grad_loc: Tensor,
     grad_attn: Tensor,
     config: TileConfig | None = None,
@@ -309,7 +310,10 @@ def backward_call(
     zeros, summed in fixed point; `backward.from_fixed_point` converts it.
 
     replicas (`backward.grad_value_buffer`): zeros like grad_value, (B, rows, M, D), that dense
-    levels are summed into besides grad_value; `fold_call`'s kernel then adds them to grad_value."""
+    levels are summed into besides grad_value; `fold_call`'s kernel then adds them to grad_value.
+
+    grad_value None: the kernel computes the other two gradients alone (the deterministic mode's
+    `deterministic_grad_value` sums grad_value)."""
     B, S, M, D = value.shape
     _, Q, _, L, K, _ = sampling_locations.shape
     L, K, M, D = int(L), int(K), int(M), int(D)
@@ -324,13 +328,14 @@ def backward_call(
         INDEX_64=needs_int64(value, sampling_locations, grad_output),
         LEVEL_STARTS=level_start_index is not None,
         SOFTMAX=softmax,
-        FIXED_POINT=fixed_point_scale is not None,
+        FIXED_POINT=fixed_point_scale is not None and grad_value is not None,
         REPLICAS=replicas is not None,
         # 4- and 8-byte accumulators: the last batch first (the kernel says why). Measured on the
         # H200: the float32 decoder 70.7 -> 65.4 us; the float16 one, whose 45 MB grad_value stays
         # in the L2 anyway, lost 3 us with it (bench/NOTES.md entry 34).
-        LAST_BATCH_FIRST=grad_value.element_size() >= 4,
-        VALUE_EVICTION="evict_first" if value_rows_evicted_first(grad_value, Q, S) else "",
+        LAST_BATCH_FIRST=grad_value is not None and grad_value.element_size() >= 4,
+        GRAD_VALUE=grad_value is not None,
+        VALUE_EVICTION="evict_first" if grad_value is not None and value_rows_evicted_first(grad_value, Q, S) else "",
     )
     constexprs["PREFETCH"] = bool(config.prefetch) and constexprs["UNROLL"] == 1
     if softmax and scratch is None:
@@ -345,9 +350,9 @@ def backward_call(
         spatial_shapes if level_start_index is None else level_start_index,  # unread if None
         sampling_locations,
         attention_weights,
-        grad_value,
+        spatial_shapes if grad_value is None else grad_value,  # unwritten if None
         spatial_shapes if replicas is None else replicas,  # unread if None
-        spatial_shapes if fixed_point_scale is None else fixed_point_scale,  # unread if None
+        spatial_shapes if fixed_point_scale is None or grad_value is None else fixed_point_scale,  # unread if None
         grad_loc,
         grad_attn,
         # Unused without softmax: an input then, never an output (two outputs that alias would
@@ -414,3 +419,82 @@ def fold_call(
         rows,
     )
     return grid, args, constexprs
+
+
+LIST_QUERIES = 16  # queries a program of the corner lists' kernel
+# The gather kernel's tile: rows a program, and list entries a row a step (unrolled, their loads
+# in flight together). On the H200 (bench/NOTES.md entry 36) 16 x 4 against 16 x 2: the decoder
+# 90 us against 74, the encoder 700 against 850; 4 x 16 lost the decoder (226 us) and won only
+# the half encoder (718 against 840).
+LIST_ROWS = 16
+LIST_ENTRIES = 4
+# A row's counter every 32 bytes (one L2 sector), not every 4: the counters of a coarse level's
+# rows, each hit by about 1,300 corners at the encoder, then spread over more L2 slices. On the
+# H200 the encoder's count pass ran 259 us against 441, its fill 836 against 947; the decoder
+# lost 11 us zeroing the wider counters (bench/NOTES.md entry 36).
+LIST_COUNT_STRIDE = 8
+
+
+def deterministic_grad_value(
+    launch,
+    grad_output: Tensor,
+    value: Tensor,
+    spatial_shapes: Tensor,
+    level_start_index: Tensor | None,
+    sampling_locations: Tensor,
+    attention_weights: Tensor,
+    fixed_point_scale: Tensor,
+) -> Tensor:
+    """The deterministic mode's grad_value by kernels/deterministic.py's three launches, each made
+    by `launch(kernel, grid, args, constexprs)` (the operator's through wrap_triton, the eager
+    path's directly); tensors as for `backward_call`, the weights not logits."""
+    B, S, M, D = value.shape
+    _, Q, _, L, K, _ = sampling_locations.shape
+    L, K, M, D = int(L), int(K), int(M), int(D)
+    device = value.device
+    corners = B * Q * M * L * K * 4  # every sample's four corners, listed or not
+    index_64 = needs_int64(value, sampling_locations, grad_output) or corners >= 2**31
+    compute = compute_dtype(value, sampling_locations, attention_weights)
+    counts = torch.zeros((B * S * M * LIST_COUNT_STRIDE,), dtype=torch.int32, device=device)
+    entries = torch.empty((corners,), dtype=torch.int64 if index_64 else torch.int32, device=device)
+    weights = torch.empty((corners,), dtype=torch.float64 if compute == tl.float64 else torch.float32, device=device)
+    lists = dict(
+        NUM_HEADS=M,
+        NUM_LEVELS=L,
+        NUM_POINTS=K,
+        BLOCK_Q=LIST_QUERIES,
+        BLOCK_K=_next_power_of_2(K),
+        COMPUTE=compute,
+        INDEX_64=index_64,
+        LEVEL_STARTS=level_start_index is not None,
+        COUNT_STRIDE=LIST_COUNT_STRIDE,
+        num_warps=max(1, min(8, LIST_QUERIES * _next_power_of_2(K) // 32)),
+    )
+    grid = (_cdiv(Q, LIST_QUERIES) * B * M,)
+    starts = spatial_shapes if level_start_index is None else level_start_index  # unread if None
+    # Unread placeholders (spatial_shapes) where the counting pass has no lists yet.
+    unread = spatial_shapes
+    launch(msda_corner_lists_kernel, grid, (spatial_shapes, starts, sampling_locations, unread, counts, unread,
+                                            unread, unread, Q, S), {**lists, "FILL": False})  # fmt: skip
+    ends = counts[::LIST_COUNT_STRIDE].cumsum(0)
+    launch(msda_corner_lists_kernel, grid, (spatial_shapes, starts, sampling_locations, attention_weights, counts,
+                                            ends, entries, weights, Q, S), {**lists, "FILL": True})  # fmt: skip
+    grad_value = torch.empty(value.shape, dtype=value.dtype, device=device)
+    rows = B * S * M
+    gather = dict(
+        NUM_HEADS=M,
+        HEAD_DIM=D,
+        NUM_LEVELS=L,
+        NUM_POINTS=K,
+        ROWS=LIST_ROWS,
+        ENTRIES=LIST_ENTRIES,
+        BLOCK_D=_next_power_of_2(D),
+        INDEX_64=index_64 or needs_int64(grad_value),
+        num_warps=max(1, min(8, LIST_ROWS * _next_power_of_2(D) * value.element_size() // 16 // 32)),
+    )
+    inverse_scale = fixed_point_scale.reciprocal()  # exact: a power of two
+    args = (grad_output, grad_output.stride(0), grad_output.stride(1), ends, entries, weights, inverse_scale,
+            fixed_point_scale, grad_value, Q, rows)  # fmt: skip
+    if rows > 0:
+        launch(msda_gather_grad_value_kernel, (_cdiv(rows, LIST_ROWS),), args, gather)
+    return grad_value
