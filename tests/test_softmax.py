@@ -309,18 +309,23 @@ def test_all_meta_is_valid():
 @pytest.mark.parametrize("path,device", PATHS)
 def test_deterministic_mode_sums_in_fixed_point(path, device, mode, request):
     """As msda::backward: under torch.use_deterministic_algorithms(True) the kernels sum grad_value
-    in fixed point (tests/test_deterministic.py); the pure-PyTorch path is deterministic anyway."""
+    in fixed point (tests/test_deterministic.py): the per-row lists where the softmax runs outside
+    the kernels (launch.FUSED_SOFTMAX False), the 64-bit atomics inside them; the pure-PyTorch path
+    is deterministic anyway."""
     if mode == "deterministic":
         request.getfixturevalue("deterministic_algorithms")
     inputs = logit_inputs(Shape(1, 5, 2, 4, ((3, 4), (2, 2)), 2), torch.float32, device, seed=62)
     with (
         backend(path),
         mock.patch.object(torch_impl, "backward_softmax", wraps=torch_impl.backward_softmax) as pure_pytorch,
-        mock.patch.object(backward_kernel, "from_fixed_point", wraps=backward_kernel.from_fixed_point) as fixed,
+        mock.patch.object(backward_kernel, "from_fixed_point", wraps=backward_kernel.from_fixed_point) as atomics,
+        mock.patch.object(launch, "deterministic_grad_value", wraps=launch.deterministic_grad_value) as lists,
     ):
         check(inputs)
     assert pure_pytorch.call_count == (1 if path == "torch" else 0)
-    assert fixed.call_count == (1 if mode == "deterministic" and path != "torch" else 0)
+    fixed_point = mode == "deterministic" and path != "torch"
+    fused_in_kernel = launch.FUSED_SOFTMAX
+    assert (atomics.call_count, lists.call_count) == (fixed_point and fused_in_kernel, fixed_point and not fused_in_kernel)
 
 
 # --- The layer ----------------------------------------------------------------------------------
