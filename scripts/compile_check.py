@@ -81,7 +81,7 @@ OUTPUTS = {("msda_forward_kernel", False): ["out_ptr"],
 
 def outputs(kernel, constexprs: dict, softmax: bool) -> list[str]:
     if kernel is msda_corner_lists_kernel:  # counting, then listing
-        return ["entries_ptr"] if constexprs["FILL"] else ["counts_ptr", "ranks_ptr", "weights_ptr"]
+        return ["counts_ptr", "entries_ptr", "weights_ptr"] if constexprs["FILL"] else ["counts_ptr"]
     if kernel is msda_gather_grad_value_kernel:
         return ["grad_value_ptr"]
     written = OUTPUTS[kernel.__name__, softmax] + (["replica_ptr"] if constexprs.get("REPLICAS") else [])

@@ -7,12 +7,12 @@ instructions. Instead each value row gathers its own contributions:
 
 1. `msda_corner_lists_kernel` (COUNT) adds 1 to an int32 count per grad_value row (batch, pixel,
    head) for each sample corner landing there: integer adds, so the counts are the same in any
-   order. Each corner keeps the count its add returned as its rank in the row, and its bilinear
-   weight times the attention weight (the backward kernel's arithmetic, bit for bit), both in
-   dense arrays indexed by the sample's index times 4 plus the corner. A cumulative sum
-   (torch.cumsum) gives each row's end in one list of all corners.
-2. The same kernel (FILL) stores each corner's index at its row's start plus its rank: no
-   atomics. The ranks, and so the order within a row, vary run to run.
+   order. A cumulative sum (torch.cumsum) gives each row's end in one list of all corners.
+2. The same kernel (FILL) gives each corner a slot in its row's part of the list,
+   `end - atomic_add(count, -1)`, and stores the sample's index times 4 plus the corner there;
+   it also writes every corner's bilinear weight times the attention weight (the backward
+   kernel's arithmetic, bit for bit) to a dense array at that same index. The slots' order
+   within a row varies run to run.
 3. `msda_gather_grad_value_kernel` takes ROWS rows a program and walks their lists ENTRIES
    entries a step (independent loads, in flight together): each entry's weight times its
    query's grad_output row, rounded to fixed point, summed as integers in registers: the same
@@ -34,12 +34,11 @@ def msda_corner_lists_kernel(
     shapes_ptr,  # (L, 2)
     starts_ptr,  # (L,), read if LEVEL_STARTS
     loc_ptr,  # (B, Q, M, L, K, 2), contiguous
-    attn_ptr,  # COUNT: (B, Q, M, L, K), contiguous: the weights
-    counts_ptr,  # COUNT: (B * S * M * COUNT_STRIDE,) int32 zeros, a row's counter every COUNT_STRIDE
-    ends_ptr,  # FILL: (B * S * M,) the cumulative sum of the counts
-    ranks_ptr,  # (B * Q * M * L * K * 4,) int32: COUNT writes each listed corner's place in its row
-    entries_ptr,  # FILL: (B * Q * M * L * K * 4,) int32 or int64: the lists
-    weights_ptr,  # COUNT: (B * Q * M * L * K * 4,) in COMPUTE: each corner's weight
+    attn_ptr,  # with FILL: (B, Q, M, L, K), contiguous: the weights
+    counts_ptr,  # (B, S, M) int32: COUNT adds to zeros; FILL takes them back down to zeros
+    ends_ptr,  # with FILL: (B * S * M,) the cumulative sum of the counts
+    entries_ptr,  # with FILL: (B * Q * M * L * K * 4,) int32 or int64: the lists
+    weights_ptr,  # with FILL: (B * Q * M * L * K * 4,) in COMPUTE: each corner's weight
     num_queries,
     num_values,
     NUM_HEADS: tl.constexpr,
@@ -66,6 +65,7 @@ def msda_corner_lists_kernel(
     mask = (q < num_queries) & (point < NUM_POINTS)
     LK: tl.constexpr = NUM_LEVELS * NUM_POINTS
     first_param = ((b * num_queries + q) * NUM_HEADS + m) * LK + point  # [BLOCK_Q, BLOCK_K]
+    NEXT_PIXEL: tl.constexpr = NUM_HEADS * COUNT_STRIDE  # from a row's counter to the next pixel's (same head)
     start = b * 0
     for level in tl.static_range(NUM_LEVELS):  # unrolled: the levels' atomics in flight together
         h = tl.load(shapes_ptr + 2 * level).to(b.dtype)
@@ -81,39 +81,39 @@ def msda_corner_lists_kernel(
         row = (b * num_values + start + y0 * w + x0) * NUM_HEADS + m  # the top-left corner's
         below = row + w * NUM_HEADS
         entry = param * 4
-        if not FILL:
-            # The backward kernel's products, in its order: the same bits. Dense, at each
-            # corner's entry: coalesced stores (written at the slots, beside the entries, the
-            # fill ran 12-19% longer and the gather 8% shorter on the H200).
+        if FILL:
+            # The backward kernel's products, in its order: the same bits.
             attn = finite_or_nan(tl.load(attn_ptr + param, mask=mask, other=0.0).to(COMPUTE))
             a_top = attn * (1.0 - fy)
             a_bottom = attn * fy
+            # Dense, at each corner's entry: coalesced stores here (written at the slots, beside
+            # the entries, the fill ran 12-19% longer and the gather 8% shorter on the H200).
             tl.store(weights_ptr + entry, a_top * (1.0 - fx), mask=mask)
             tl.store(weights_ptr + entry + 1, a_top * fx, mask=mask)
             tl.store(weights_ptr + entry + 2, a_bottom * (1.0 - fx), mask=mask)
             tl.store(weights_ptr + entry + 3, a_bottom * fx, mask=mask)
-        _list_corner(counts_ptr, ends_ptr, ranks_ptr, entries_ptr, row, entry, left & top, COUNT_STRIDE, FILL)
-        _list_corner(counts_ptr, ends_ptr, ranks_ptr, entries_ptr, row + NUM_HEADS, entry + 1, right & top,
-                     COUNT_STRIDE, FILL)  # fmt: skip
-        _list_corner(counts_ptr, ends_ptr, ranks_ptr, entries_ptr, below, entry + 2, left & bottom, COUNT_STRIDE, FILL)
-        _list_corner(counts_ptr, ends_ptr, ranks_ptr, entries_ptr, below + NUM_HEADS, entry + 3, right & bottom,
-                     COUNT_STRIDE, FILL)  # fmt: skip
+        counter = row * COUNT_STRIDE
+        below_counter = below * COUNT_STRIDE
+        _list_corner(counts_ptr, ends_ptr, entries_ptr, counter, row, entry, left & top, FILL)
+        _list_corner(counts_ptr, ends_ptr, entries_ptr, counter + NEXT_PIXEL, row + NUM_HEADS, entry + 1, right & top,
+                     FILL)  # fmt: skip
+        _list_corner(counts_ptr, ends_ptr, entries_ptr, below_counter, below, entry + 2, left & bottom, FILL)
+        _list_corner(counts_ptr, ends_ptr, entries_ptr, below_counter + NEXT_PIXEL, below + NUM_HEADS, entry + 3,
+                     right & bottom, FILL)  # fmt: skip
         if not LEVEL_STARTS:
             start += h * w
 
 
 @triton.jit
-def _list_corner(counts_ptr, ends_ptr, ranks_ptr, entries_ptr, row, entry, mask, COUNT_STRIDE: tl.constexpr,
-                 FILL: tl.constexpr):  # fmt: skip
-    """COUNT: one more corner on `row`, the count before it kept as the corner's rank; FILL:
-    `entry` into its row's list at that rank (the slots' order is the atomics' arrival order)."""
+def _list_corner(counts_ptr, ends_ptr, entries_ptr, counter, row, entry, mask, FILL: tl.constexpr):
+    """COUNT: one more corner on `row` (its counter at `counter`); FILL: `entry` into a free
+    slot of row's list."""
     if FILL:
-        first = tl.load(ends_ptr + row - 1, mask=mask & (row > 0), other=0)
-        rank = tl.load(ranks_ptr + entry, mask=mask, other=0)
-        tl.store(entries_ptr + first + rank, entry.to(entries_ptr.dtype.element_ty), mask=mask)
+        remaining = tl.atomic_add(counts_ptr + counter, -1, mask=mask, sem="relaxed")
+        slot = tl.load(ends_ptr + row, mask=mask, other=0) - remaining
+        tl.store(entries_ptr + slot, entry.to(entries_ptr.dtype.element_ty), mask=mask)
     else:
-        rank = tl.atomic_add(counts_ptr + row * COUNT_STRIDE, 1, mask=mask, sem="relaxed")
-        tl.store(ranks_ptr + entry, rank, mask=mask)
+        tl.atomic_add(counts_ptr + counter, 1, mask=mask, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["grad_out_stride_b", "grad_out_stride_q", "num_queries", "num_rows"])

@@ -456,7 +456,6 @@ def deterministic_grad_value(
     index_64 = needs_int64(value, sampling_locations, grad_output) or corners >= 2**31
     compute = compute_dtype(value, sampling_locations, attention_weights)
     counts = torch.zeros((B * S * M * LIST_COUNT_STRIDE,), dtype=torch.int32, device=device)
-    ranks = torch.empty((corners,), dtype=torch.int32, device=device)
     entries = torch.empty((corners,), dtype=torch.int64 if index_64 else torch.int32, device=device)
     weights = torch.empty((corners,), dtype=torch.float64 if compute == tl.float64 else torch.float32, device=device)
     lists = dict(
@@ -473,14 +472,13 @@ def deterministic_grad_value(
     )
     grid = (_cdiv(Q, LIST_QUERIES) * B * M,)
     starts = spatial_shapes if level_start_index is None else level_start_index  # unread if None
-    # Unread placeholders (spatial_shapes) for what each pass does not touch.
+    # Unread placeholders (spatial_shapes) where the counting pass has no lists yet.
     unread = spatial_shapes
-    located = (spatial_shapes, starts, sampling_locations)
-    launch(msda_corner_lists_kernel, grid, (*located, attention_weights, counts, unread, ranks, unread, weights, Q, S),
-           {**lists, "FILL": False})  # fmt: skip
+    launch(msda_corner_lists_kernel, grid, (spatial_shapes, starts, sampling_locations, unread, counts, unread,
+                                            unread, unread, Q, S), {**lists, "FILL": False})  # fmt: skip
     ends = counts[::LIST_COUNT_STRIDE].cumsum(0)
-    launch(msda_corner_lists_kernel, grid, (*located, unread, unread, ends, ranks, entries, unread, Q, S),
-           {**lists, "FILL": True})  # fmt: skip
+    launch(msda_corner_lists_kernel, grid, (spatial_shapes, starts, sampling_locations, attention_weights, counts,
+                                            ends, entries, weights, Q, S), {**lists, "FILL": True})  # fmt: skip
     grad_value = torch.empty(value.shape, dtype=value.dtype, device=device)
     rows = B * S * M
     gather = dict(
