@@ -27,14 +27,14 @@ if ops.HAS_TRITON:
         msda_backward_kernel,
         msda_fold_replicas_kernel,
     )
-    from .kernels.deterministic import msda_corner_lists_kernel, msda_gather_grad_value_kernel
+    from .kernels.deterministic import msda_gather_grad_value_kernel, msda_sample_lists_kernel
     from .kernels.direct import DirectLauncher
     from .kernels.forward import msda_forward_kernel
 
     _forward_kernel = DirectLauncher(msda_forward_kernel)
     _backward_kernel = DirectLauncher(msda_backward_kernel)
     _fold_kernel = DirectLauncher(msda_fold_replicas_kernel)
-    _LISTS = {kernel: DirectLauncher(kernel) for kernel in (msda_corner_lists_kernel, msda_gather_grad_value_kernel)}
+    _LISTS = {kernel: DirectLauncher(kernel) for kernel in (msda_sample_lists_kernel, msda_gather_grad_value_kernel)}
 
 _FLOATS = frozenset(validation.FLOAT_DTYPES)
 _INDICES = frozenset(validation.INDEX_DTYPES)
@@ -176,8 +176,9 @@ def launch_backward(
     grad_value, fixed_point_scale, replicas = grad_value_buffer(
         value, grad_output, None if softmax else attention_weights, Q, L, K, lists=not softmax
     )
-    grad_loc = torch.empty(sampling_locations.shape, dtype=sampling_locations.dtype, device=value.device)
-    grad_attn = torch.empty(attention_weights.shape, dtype=attention_weights.dtype, device=value.device)
+    with launch.fill_skipped(grad_value is None):  # the deterministic mode's NaN fill: not needed
+        grad_loc = torch.empty(sampling_locations.shape, dtype=sampling_locations.dtype, device=value.device)
+        grad_attn = torch.empty(attention_weights.shape, dtype=attention_weights.dtype, device=value.device)
     scratch = None
     if softmax:
         # The kernel keeps the weights' gradient here until its softmax pass: grad_attn itself

@@ -155,8 +155,9 @@ def _launch_backward(
         value, grad_output, None if softmax else attention_weights, Q, L, K, lists=not softmax
     )
     # Every element of these two is written by exactly one program: no zeroing needed.
-    grad_loc = torch.empty(sampling_locations.shape, dtype=sampling_locations.dtype, device=value.device)
-    grad_attn = torch.empty(attention_weights.shape, dtype=attention_weights.dtype, device=value.device)
+    with launch.fill_skipped(grad_value is None):  # the deterministic mode's NaN fill: not needed
+        grad_loc = torch.empty(sampling_locations.shape, dtype=sampling_locations.dtype, device=value.device)
+        grad_attn = torch.empty(attention_weights.shape, dtype=attention_weights.dtype, device=value.device)
     # With softmax the kernel keeps the gradient of the weights here between its level loop and
     # its softmax pass. A buffer of its own (the eager fast path reuses grad_attn where the dtypes
     # allow): two written arguments that alias could keep torch.compile from reinplacing either.

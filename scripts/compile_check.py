@@ -47,7 +47,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from msda.kernels import launch  # noqa: E402
 from msda.kernels.backward import msda_backward_kernel, msda_fold_replicas_kernel  # noqa: E402
-from msda.kernels.deterministic import msda_corner_lists_kernel, msda_gather_grad_value_kernel  # noqa: E402
+from msda.kernels.deterministic import msda_gather_grad_value_kernel, msda_sample_lists_kernel  # noqa: E402
 from msda.kernels.forward import msda_forward_kernel  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -80,7 +80,7 @@ OUTPUTS = {("msda_forward_kernel", False): ["out_ptr"],
 
 
 def outputs(kernel, constexprs: dict, softmax: bool) -> list[str]:
-    if kernel is msda_corner_lists_kernel:  # counting, then listing
+    if kernel is msda_sample_lists_kernel:  # counting, then listing
         return ["counts_ptr", "entries_ptr", "weights_ptr"] if constexprs["FILL"] else ["counts_ptr"]
     if kernel is msda_gather_grad_value_kernel:
         return ["grad_value_ptr"]

@@ -1,6 +1,6 @@
 """Deterministic mode (docs/contract.md): under torch.use_deterministic_algorithms(True) the Triton
 backward sums grad_value in 64-bit fixed point (integers: the same bits in any order), from a list
-of the corners on each value row (kernels/deterministic.py; the fused-softmax kernels add the
+of the samples on each value row (kernels/deterministic.py; the fused-softmax kernels add the
 integers with atomics instead); float64 takes the pure-PyTorch backward, whose scatter is
 deterministic in that mode. On CPU this runs through the Triton backend (the interpreter);
 tests/gpu checks on CUDA that the gradients are bitwise equal run to run, compiled and in CUDA
@@ -97,18 +97,23 @@ def test_fixed_point_scale_is_nan_for_non_finite_inputs(bad):
     assert math.isnan(backward_kernel.fixed_point_scale(weights, None, 10).item())
 
 
-@pytest.mark.parametrize("rows, entries", [(None, None), (1, 2), (8, 4)], ids=["rule", "1x2", "8x4"])
+@pytest.mark.parametrize(
+    "rows, entries, queries", [(None, None, 7), (None, None, 17), (1, 2, 7), (8, 4, 7)],
+    ids=["rule", "rule-encoder", "1x2", "8x4"],
+)  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @interpreted
-def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, dtype, rows, entries):
-    """grad_value summed from the per-row lists equals, bit for bit, the backward kernel's 64-bit
+def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, dtype, rows, entries, queries):
+    """grad_value summed from the lists of samples equals, bit for bit, the backward kernel's 64-bit
     atomic adds of the same fixed-point contributions (the path the fused-softmax kernels keep),
-    with samples outside the levels and a level of one pixel; at the rule's gather tile and at
-    others (lists longer than a step, a program's rows past the last row)."""
+    with samples outside the levels and straddling their borders, and a level of one pixel; at
+    the rule's gather tile (a decoder's, and an encoder's: every pixel a query) and at others
+    (lists longer than a step, a program's rows past the last row)."""
     if rows is not None:
         monkeypatch.setattr(launch, "LIST_ROWS", rows)
         monkeypatch.setattr(launch, "LIST_ENTRIES", entries)
-    shape = Shape(2, 7, 2, 6, ((3, 4), (2, 2), (1, 1)), 3)
+    shape = Shape(2, queries, 2, 6, ((3, 4), (2, 2), (1, 1)), 3)
+    assert launch.every_pixel_a_query(queries, shape.num_values) == (queries == 17)
     inputs = make_inputs(shape, dtype, outside_fraction=0.25, seed=8)
     grad_output = random_like_output(inputs)
     value, shapes, starts, loc, attn = inputs.args()
@@ -122,7 +127,34 @@ def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, dtype, r
     def run(kernel, grid, args, constexprs):
         kernel[grid](*args, **constexprs)
 
-    for given in (starts, None):  # level starts given, and summed in the kernel
-        listed = launch.deterministic_grad_value(run, grad_output, value, shapes, given, loc, attn, scale)
+    # grad_output's batches a query apart (a slice of a longer one): the gather's other addressing.
+    padded = torch.cat([grad_output, grad_output[:, :1]], dim=1)[:, :-1]
+    assert padded.stride(0) != padded.shape[1] * padded.stride(1) and torch.equal(padded, grad_output)
+    for given, grad in ((starts, grad_output), (None, grad_output), (starts, padded)):  # level starts summed too
+        listed = launch.deterministic_grad_value(run, grad, value, shapes, given, loc, attn, scale)
         assert listed.dtype == dtype and torch.equal(listed, atomic)
     assert atomic.abs().sum() > 0
+
+    # Level starts that make levels overlap (not checked on CUDA): a row then takes the corners
+    # of every level holding it, as the atomics add them.
+    overlapping = torch.tensor([0, 2, 5], dtype=starts.dtype)
+    grads[0].zero_()
+    grid, args, constexprs = launch.backward_call(grad_output, value, shapes, overlapping, loc, attn, *grads,
+                                                  fixed_point_scale=scale)  # fmt: skip
+    backward_kernel.msda_backward_kernel[grid](*args, **constexprs)
+    atomic = backward_kernel.from_fixed_point(grads[0], scale, dtype)
+    listed = launch.deterministic_grad_value(run, grad_output, value, shapes, overlapping, loc, attn, scale)
+    assert torch.equal(listed, atomic) and atomic[:, 2:6].abs().sum() > 0
+
+
+def test_fill_skipped_only_inside_and_only_when_asked(deterministic_algorithms):
+    """The deterministic mode's NaN fill of torch.empty is off inside `fill_skipped` (buffers the
+    kernels write whole) and back on after it, an exception included; `skip=False` keeps it."""
+    flag = torch.utils.deterministic
+    assert flag.fill_uninitialized_memory
+    with launch.fill_skipped(False):
+        assert flag.fill_uninitialized_memory and torch.empty(4).isnan().all()
+    with pytest.raises(RuntimeError), launch.fill_skipped():
+        assert not flag.fill_uninitialized_memory
+        raise RuntimeError
+    assert flag.fill_uninitialized_memory and torch.empty(4).isnan().all()

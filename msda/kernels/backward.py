@@ -452,14 +452,20 @@ def fixed_point_scale(
 ) -> torch.Tensor:
     """2**e as a one-element float32 tensor on the device (see above); attention_weights None:
     they are softmax weights, at most 1."""
-    bound = grad_output.detach().abs().amax().float() * samples_per_row
+    bound = _largest_magnitude(grad_output) * samples_per_row
     if attention_weights is not None:
-        bound = bound * attention_weights.detach().abs().amax().float()
+        bound = bound * _largest_magnitude(attention_weights)
     _, exponent = torch.frexp(bound)  # bound < 2**exponent (exponent 0 for 0, inf and NaN)
     exponent = (FIXED_POINT_BITS - exponent).clamp(min=-126, max=127)
     scale = torch.ldexp(torch.ones_like(bound), exponent)
     # Non-finite bound: NaN scale, so that the conversion back gives NaN everywhere.
     return torch.where(torch.isfinite(bound), scale, torch.nan).reshape(1)
+
+
+def _largest_magnitude(t: torch.Tensor) -> torch.Tensor:
+    """max |t| in float32 (NaN if t has one), without abs's full-size temporary: one pass."""
+    smallest, largest = torch.aminmax(t.detach())
+    return torch.maximum(-smallest, largest).float()
 
 
 def from_fixed_point(accumulator: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,22 +1,28 @@
-"""The deterministic mode's grad_value without atomic adds on it (bench/NOTES.md entry 35).
+"""The deterministic mode's grad_value without atomic adds on it (bench/NOTES.md entries 35-37).
 
 Under torch.use_deterministic_algorithms(True) grad_value is summed in 64-bit fixed point
 (backward.py: `fixed_point_scale`). The backward kernel could add the integers with atomics, but
 PTX has no vector integer atomic: one 64-bit atomic a channel, four times the float32 path's
-instructions. Instead each value row gathers its own contributions:
+instructions. Instead each value row gathers its own contributions from lists of samples:
 
-1. `msda_corner_lists_kernel` (COUNT) adds 1 to an int32 count per grad_value row (batch, pixel,
-   head) for each sample corner landing there: integer adds, so the counts are the same in any
-   order. A cumulative sum (torch.cumsum) gives each row's end in one list of all corners.
-2. The same kernel (FILL) gives each corner a slot in its row's part of the list,
-   `end - atomic_add(count, -1)`, and stores the sample's index times 4 plus the corner there;
-   it also writes every corner's bilinear weight times the attention weight (the backward
-   kernel's arithmetic, bit for bit) to a dense array at that same index. The slots' order
-   within a row varies run to run.
-3. `msda_gather_grad_value_kernel` takes ROWS rows a program and walks their lists ENTRIES
-   entries a step (independent loads, in flight together): each entry's weight times its
-   query's grad_output row, rounded to fixed point, summed as integers in registers: the same
-   sum in any order, so the slot order does not matter, and the result is the atomic
+1. `msda_sample_lists_kernel` (COUNT) adds 1 to an int32 count per list for each sample that
+   touches its level. A sample is listed once, under its top-left corner's row (batch, head,
+   pixel; -1 coordinates, of samples straddling the top or left border, clamped to 0 and
+   flagged in the entry's two low bits), so its four corners cost one count, not four. Integer
+   adds: the counts are the same in any order. A cumulative sum (torch.cumsum) gives each
+   list's end in one array of all lists.
+2. The same kernel (FILL) gives each sample a slot in its list, `end - atomic_add(count, -1)`,
+   and stores the sample's index times 4 plus the flags there; it also writes every corner's
+   bilinear weight times the attention weight (the backward kernel's arithmetic, bit for bit) to
+   a dense array at the sample's index times 4 plus the corner. The slots' order within a list
+   varies run to run.
+3. `msda_gather_grad_value_kernel` takes ROWS rows (consecutive pixels of one head) a program.
+   A row at (y, x) is the top-left corner of the samples listed under it, the top-right one of
+   those under (y, x - 1), the bottom corners of those under (y - 1, x) and (y - 1, x - 1):
+   lists that sit side by side in pairs, (x - 1, x), so two runs of entries a row. It walks them
+   ENTRIES entries a step (independent loads, in flight together): each entry's corner weight
+   times its query's grad_output row, rounded to fixed point, summed as integers in registers:
+   the same sum in any order, so the slot order does not matter, and the result is the atomic
    fixed-point path's to the bit. It writes grad_value once, in the value's dtype: nothing to
    zero.
 
@@ -28,16 +34,19 @@ import triton.language as tl
 
 from .sampling import finite_or_nan, level_ok, place_sample
 
+CLAMPED_X = tl.constexpr(1)  # entry flag: the sample's x0 is -1, listed under x = 0
+CLAMPED_Y = tl.constexpr(2)  # entry flag: its y0 is -1, listed under y = 0
+
 
 @triton.jit(do_not_specialize=["num_queries", "num_values"])
-def msda_corner_lists_kernel(
+def msda_sample_lists_kernel(
     shapes_ptr,  # (L, 2)
     starts_ptr,  # (L,), read if LEVEL_STARTS
     loc_ptr,  # (B, Q, M, L, K, 2), contiguous
     attn_ptr,  # with FILL: (B, Q, M, L, K), contiguous: the weights
-    counts_ptr,  # (B, S, M) int32: COUNT adds to zeros; FILL takes them back down to zeros
-    ends_ptr,  # with FILL: (B * S * M,) the cumulative sum of the counts
-    entries_ptr,  # with FILL: (B * Q * M * L * K * 4,) int32 or int64: the lists
+    counts_ptr,  # (B * M * S * COUNT_STRIDE,) int32: COUNT adds to zeros; FILL takes them back down to zeros
+    ends_ptr,  # with FILL: (B * M * S,) the cumulative sum of the counts (int32, or int64 if INDEX_64)
+    entries_ptr,  # with FILL: (B * Q * M * L * K,) int32 or int64: the lists
     weights_ptr,  # with FILL: (B * Q * M * L * K * 4,) in COMPUTE: each corner's weight
     num_queries,
     num_values,
@@ -49,7 +58,7 @@ def msda_corner_lists_kernel(
     COMPUTE: tl.constexpr,
     INDEX_64: tl.constexpr,
     LEVEL_STARTS: tl.constexpr,  # False: sum the level sizes
-    FILL: tl.constexpr,  # False: count the corners of each row; True: list them
+    FILL: tl.constexpr,  # False: count the samples of each list; True: list them
     COUNT_STRIDE: tl.constexpr,  # counters this many int32 apart (launch.LIST_COUNT_STRIDE says why)
 ):
     pid = tl.program_id(0)
@@ -65,7 +74,7 @@ def msda_corner_lists_kernel(
     mask = (q < num_queries) & (point < NUM_POINTS)
     LK: tl.constexpr = NUM_LEVELS * NUM_POINTS
     first_param = ((b * num_queries + q) * NUM_HEADS + m) * LK + point  # [BLOCK_Q, BLOCK_K]
-    NEXT_PIXEL: tl.constexpr = NUM_HEADS * COUNT_STRIDE  # from a row's counter to the next pixel's (same head)
+    first_list = bm * num_values  # this batch and head's lists, one a pixel
     start = b * 0
     for level in tl.static_range(NUM_LEVELS):  # unrolled: the levels' atomics in flight together
         h = tl.load(shapes_ptr + 2 * level).to(b.dtype)
@@ -78,57 +87,54 @@ def msda_corner_lists_kernel(
         x0, y0, fx, fy, left, right, top, bottom = place_sample(
             x, y, h, w, level_ok(h, w, start, num_values), mask, COMPUTE
         )
-        row = (b * num_values + start + y0 * w + x0) * NUM_HEADS + m  # the top-left corner's
-        below = row + w * NUM_HEADS
-        entry = param * 4
         if FILL:
             # The backward kernel's products, in its order: the same bits.
             attn = finite_or_nan(tl.load(attn_ptr + param, mask=mask, other=0.0).to(COMPUTE))
             a_top = attn * (1.0 - fy)
             a_bottom = attn * fy
-            # Dense, at each corner's entry: coalesced stores here (written at the slots, beside
+            # Dense, at each corner's index: coalesced stores here (written at the slots, beside
             # the entries, the fill ran 12-19% longer and the gather 8% shorter on the H200).
-            tl.store(weights_ptr + entry, a_top * (1.0 - fx), mask=mask)
-            tl.store(weights_ptr + entry + 1, a_top * fx, mask=mask)
-            tl.store(weights_ptr + entry + 2, a_bottom * (1.0 - fx), mask=mask)
-            tl.store(weights_ptr + entry + 3, a_bottom * fx, mask=mask)
-        counter = row * COUNT_STRIDE
-        below_counter = below * COUNT_STRIDE
-        _list_corner(counts_ptr, ends_ptr, entries_ptr, counter, row, entry, left & top, FILL)
-        _list_corner(counts_ptr, ends_ptr, entries_ptr, counter + NEXT_PIXEL, row + NUM_HEADS, entry + 1, right & top,
-                     FILL)  # fmt: skip
-        _list_corner(counts_ptr, ends_ptr, entries_ptr, below_counter, below, entry + 2, left & bottom, FILL)
-        _list_corner(counts_ptr, ends_ptr, entries_ptr, below_counter + NEXT_PIXEL, below + NUM_HEADS, entry + 3,
-                     right & bottom, FILL)  # fmt: skip
+            # A sample's four in one thread: one 16-byte store, not four strided ones.
+            upper = tl.join(a_top * (1.0 - fx), a_top * fx)
+            lower = tl.join(a_bottom * (1.0 - fx), a_bottom * fx)
+            corners = tl.reshape(tl.join(upper, lower).permute(0, 1, 3, 2), [BLOCK_Q, BLOCK_K, 4])
+            corner = param[:, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+            tl.store(weights_ptr + corner, corners, mask=mask[:, :, None])
+        # A sample touching the level has x0 in [-1, w - 1] and y0 in [-1, h - 1] (place_sample):
+        # then its left or its right corner is inside.
+        listed = left | right
+        pixel = start + tl.maximum(y0, 0) * w + tl.maximum(x0, 0)
+        counter = (first_list + pixel) * COUNT_STRIDE
+        if FILL:
+            remaining = tl.atomic_add(counts_ptr + counter, -1, mask=listed, sem="relaxed")
+            slot = tl.load(ends_ptr + first_list + pixel, mask=listed, other=0) - remaining
+            flags = tl.where(x0 < 0, CLAMPED_X, 0) + tl.where(y0 < 0, CLAMPED_Y, 0)
+            entry = param * 4 + flags
+            tl.store(entries_ptr + slot, entry.to(entries_ptr.dtype.element_ty), mask=listed)
+        else:
+            tl.atomic_add(counts_ptr + counter, 1, mask=listed, sem="relaxed")
         if not LEVEL_STARTS:
             start += h * w
 
 
-@triton.jit
-def _list_corner(counts_ptr, ends_ptr, entries_ptr, counter, row, entry, mask, FILL: tl.constexpr):
-    """COUNT: one more corner on `row` (its counter at `counter`); FILL: `entry` into a free
-    slot of row's list."""
-    if FILL:
-        remaining = tl.atomic_add(counts_ptr + counter, -1, mask=mask, sem="relaxed")
-        slot = tl.load(ends_ptr + row, mask=mask, other=0) - remaining
-        tl.store(entries_ptr + slot, entry.to(entries_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(counts_ptr + counter, 1, mask=mask, sem="relaxed")
-
-
-@triton.jit(do_not_specialize=["grad_out_stride_b", "grad_out_stride_q", "num_queries", "num_rows"])
+@triton.jit(
+    do_not_specialize=["grad_out_stride_b", "grad_out_stride_q", "num_queries", "num_values", "num_lists"]
+)
 def msda_gather_grad_value_kernel(
     grad_out_ptr,  # (B, Q, M * D), channels contiguous
     grad_out_stride_b,
     grad_out_stride_q,
-    ends_ptr,  # (B * S * M,) int64: where each row's list ends
-    entries_ptr,  # the lists (`msda_corner_lists_kernel`)
-    weights_ptr,  # each corner's weight, at its entry
+    shapes_ptr,  # (L, 2)
+    starts_ptr,  # (L,), read if LEVEL_STARTS
+    ends_ptr,  # (B * M * S,) int32 (int64 if INDEX_64): where each list ends (`msda_sample_lists_kernel`)
+    entries_ptr,  # the lists
+    weights_ptr,  # each corner's weight, at its sample's index times 4 plus the corner
     inverse_scale_ptr,  # float32: 1 / fixed_point_scale
     fixed_point_scale_ptr,  # float32
     grad_value_ptr,  # (B, S, M, D) in the value's dtype: written whole
     num_queries,
-    num_rows,  # B * S * M
+    num_values,
+    num_lists,  # B * M * S: one a row
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_LEVELS: tl.constexpr,
@@ -137,46 +143,111 @@ def msda_gather_grad_value_kernel(
     ENTRIES: tl.constexpr,  # list entries a row a step, unrolled: their loads in flight together
     BLOCK_D: tl.constexpr,
     INDEX_64: tl.constexpr,
+    LEVEL_STARTS: tl.constexpr,  # False: sum the level sizes
+    BATCHES_FOLLOW: tl.constexpr,  # grad_out_stride_b == num_queries * grad_out_stride_q: no division
+    BLOCK_L: tl.constexpr,  # NUM_LEVELS's next power of two
 ):
     pid = tl.program_id(0)
     if INDEX_64:
         pid = pid.to(tl.int64)
-    # The last rows first: the coarse levels, at the end of each batch's rows, have the longest
-    # lists. A program's ROWS rows are consecutive (a pixel's heads, then the next pixel's).
-    row = (tl.cdiv(num_rows, ROWS) - 1 - pid) * ROWS + tl.arange(0, ROWS)  # [ROWS]
-    row_ok = row < num_rows
+    # A program takes ROWS consecutive pixels of one batch and head (its lists' order). The last
+    # pixels first, of every batch and head: the coarse levels, at the end, have the longest
+    # lists, and must not be left for the end of the launch (the encoder's gather took 1,111 us
+    # in head order against 700 for the per-corner lists before; bench/NOTES.md entry 37).
+    num_heads_batches = num_lists // num_values
+    first_pixel = (tl.cdiv(num_values, ROWS) - 1 - pid // num_heads_batches) * ROWS
+    bm = pid % num_heads_batches
+    pixel = first_pixel + tl.arange(0, ROWS)  # [ROWS]
+    row_ok = pixel < num_values
+    row = bm * num_values + pixel  # the lists this program sums: one a row
+    last_pixel = tl.minimum(first_pixel + ROWS, num_values) - 1
     channel = tl.arange(0, BLOCK_D)[None, :]
     d_ok = channel < HEAD_DIM
-    head_channel = (row % NUM_HEADS)[:, None] * HEAD_DIM + channel  # [ROWS, BLOCK_D]
-    first = tl.load(ends_ptr + row - 1, mask=row_ok & (row > 0), other=0)
-    end = tl.load(ends_ptr + row, mask=row_ok, other=0)
+    head_channel = (bm % NUM_HEADS) * HEAD_DIM + channel  # [1, BLOCK_D]
     scale = tl.load(fixed_point_scale_ptr)
     total = tl.zeros([ROWS, BLOCK_D], dtype=tl.int64)
-    longest = tl.max(end - first, axis=0)
-    done = longest * 0
-    ENTRIES_A_QUERY: tl.constexpr = 4 * NUM_HEADS * NUM_LEVELS * NUM_POINTS
-    while done < longest:  # (a loop bound loaded from memory: a while loop, which the interpreter runs too)
-        for e in tl.static_range(ENTRIES):
-            index = first + done + e
-            ok = index < end
-            entry = tl.load(entries_ptr + index, mask=ok, other=0)
-            weight = tl.load(weights_ptr + entry, mask=ok, other=0.0)
-            query = entry // ENTRIES_A_QUERY  # batch * num_queries + q
-            batch = query // num_queries
-            grad_out = tl.load(
-                grad_out_ptr
-                + (batch * grad_out_stride_b + (query - batch * num_queries) * grad_out_stride_q)[:, None]
-                + head_channel,
-                mask=ok[:, None] & d_ok,
-                other=0.0,
-            ).to(weight.dtype)
-            # The backward kernel's fixed point: round-toward-zero(weight * grad_out * scale).
-            total += (weight[:, None] * grad_out * scale).to(tl.int64)
-        done += ENTRIES
+    # The levels' shapes and starts in one round trip, and which levels the program's pixels
+    # meet: a loop that loaded them level by level waited on each load in turn.
+    levels = tl.arange(0, BLOCK_L)
+    level_exists = levels < NUM_LEVELS
+    heights = tl.load(shapes_ptr + 2 * levels, mask=level_exists, other=0).to(pid.dtype)
+    widths = tl.load(shapes_ptr + 2 * levels + 1, mask=level_exists, other=0).to(pid.dtype)
+    if LEVEL_STARTS:
+        starts = tl.load(starts_ptr + levels, mask=level_exists, other=0).to(pid.dtype)
+    else:
+        starts = tl.cumsum(heights * widths, axis=0) - heights * widths
+    stops = starts + heights * widths
+    met = level_exists & level_ok(heights, widths, starts, num_values) & (first_pixel < stops) & (last_pixel >= starts)
+    # Every level that holds a row: one or two a program, unless level_start_index makes levels overlap.
+    for level in tl.range(NUM_LEVELS):
+        this = levels == level
+        if tl.sum(tl.where(this & met, 1, 0), axis=0) > 0:
+            w = tl.sum(tl.where(this, widths, 0), axis=0)
+            start = tl.sum(tl.where(this, starts, 0), axis=0)
+            stop = tl.sum(tl.where(this, stops, 0), axis=0)
+            in_level = row_ok & (pixel >= start) & (pixel < stop)
+            y = (pixel - start) // tl.maximum(w, 1)
+            x = pixel - start - y * w
+            # The row's runs: lists (x - 1, x) of image row y, then of row y - 1, side by side;
+            # the row is corner (0, dy) of the second list's samples, (1, dy) of the first's.
+            first0, mid0, end0 = _run(ends_ptr, row, x, in_level)
+            first1, mid1, end1 = _run(ends_ptr, row - w, x, in_level & (y > 0))
+            longest = tl.maximum(tl.max(end0 - first0, axis=0), tl.max(end1 - first1, axis=0))
+            done = longest * 0
+            while done < longest:  # (a bound loaded from memory: a while loop, which the interpreter runs too)
+                for e in tl.static_range(ENTRIES):
+                    total = _add_entry(total, first0 + done + e, mid0, end0, 0, level, grad_out_ptr,
+                                       grad_out_stride_b, grad_out_stride_q, entries_ptr, weights_ptr, head_channel,
+                                       d_ok, scale, num_queries, NUM_HEADS, NUM_LEVELS, NUM_POINTS,
+                                       BATCHES_FOLLOW)  # fmt: skip
+                    total = _add_entry(total, first1 + done + e, mid1, end1, 1, level, grad_out_ptr,
+                                       grad_out_stride_b, grad_out_stride_q, entries_ptr, weights_ptr, head_channel,
+                                       d_ok, scale, num_queries, NUM_HEADS, NUM_LEVELS, NUM_POINTS,
+                                       BATCHES_FOLLOW)  # fmt: skip
+                done += ENTRIES
     # backward.from_fixed_point's conversion: the integer rounded once to float32, times 2**-e.
     grad = total.to(tl.float32) * tl.load(inverse_scale_ptr)
+    value_row = ((bm // NUM_HEADS) * num_values + pixel) * NUM_HEADS + bm % NUM_HEADS  # (b, pixel, m)
     tl.store(
-        grad_value_ptr + row[:, None] * HEAD_DIM + channel,
+        grad_value_ptr + value_row[:, None] * HEAD_DIM + channel,
         grad.to(grad_value_ptr.dtype.element_ty),
         mask=row_ok[:, None] & d_ok,
     )
+
+
+@triton.jit
+def _run(ends_ptr, top_left, x, ok):
+    """(first, mid, end) of the entries of lists top_left - 1 (where x > 0) and top_left, which
+    sit side by side; empty where not ok."""
+    mid = tl.load(ends_ptr + top_left - 1, mask=ok & (top_left > 0), other=0)
+    first = tl.load(ends_ptr + top_left - 2, mask=ok & (x > 0) & (top_left > 1), other=0)
+    end = tl.load(ends_ptr + top_left, mask=ok, other=0)
+    return tl.where(x > 0, first, mid), mid, end
+
+
+@triton.jit
+def _add_entry(
+    total, index, mid, end, dy_listed, level, grad_out_ptr, grad_out_stride_b, grad_out_stride_q, entries_ptr,
+    weights_ptr, head_channel, d_ok, scale, num_queries, NUM_HEADS: tl.constexpr, NUM_LEVELS: tl.constexpr,
+    NUM_POINTS: tl.constexpr, BATCHES_FOLLOW: tl.constexpr,
+):  # fmt: skip
+    """total plus, for each row, the fixed-point contribution of entry `index` of its run (none
+    past `end`), a sample of `level` listed dy_listed image rows above the row's."""
+    ok = index < end
+    entry = tl.load(entries_ptr + index, mask=ok, other=0)
+    # The row is corner (dx, dy) = (index < mid, dy_listed) of the listed pixel, which is the
+    # sample's corner (flags): the sample's corner 2 * dy + dx + flags, at the weight entry +
+    # role, where no flag meets the role's bit (else the row is past the sample's corners).
+    role = tl.where(index < mid, 1, 0) + 2 * dy_listed
+    LK: tl.constexpr = NUM_LEVELS * NUM_POINTS
+    use = ok & ((entry & role) == 0) & ((entry >> 2) % LK // NUM_POINTS == level)
+    weight = tl.load(weights_ptr + entry + role, mask=use, other=0.0)
+    query = entry // (4 * NUM_HEADS * LK)  # batch * num_queries + q
+    if BATCHES_FOLLOW:  # grad_out's batch stride is num_queries query strides
+        row = query * grad_out_stride_q
+    else:
+        batch = query // num_queries
+        row = batch * grad_out_stride_b + (query - batch * num_queries) * grad_out_stride_q
+    grad_out = tl.load(grad_out_ptr + row[:, None] + head_channel, mask=use[:, None] & d_ok, other=0.0)
+    # The backward kernel's fixed point: round-toward-zero(weight * grad_out * scale).
+    return total + (weight[:, None] * grad_out.to(weight.dtype) * scale).to(tl.int64)

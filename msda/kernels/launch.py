@@ -10,6 +10,7 @@ settings instead.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import NamedTuple
@@ -21,7 +22,7 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .backward import msda_backward_kernel
-from .deterministic import msda_corner_lists_kernel, msda_gather_grad_value_kernel
+from .deterministic import msda_gather_grad_value_kernel, msda_sample_lists_kernel
 from .forward import msda_forward_kernel
 
 
@@ -421,18 +422,34 @@ def fold_call(
     return grid, args, constexprs
 
 
-LIST_QUERIES = 16  # queries a program of the corner lists' kernel
-# The gather kernel's tile: rows a program, and list entries a row a step (unrolled, their loads
-# in flight together). On the H200 (bench/NOTES.md entry 36) 16 x 4 against 16 x 2: the decoder
-# 90 us against 74, the encoder 700 against 850; 4 x 16 lost the decoder (226 us) and won only
-# the half encoder (718 against 840).
-LIST_ROWS = 16
-LIST_ENTRIES = 4
-# A row's counter every 32 bytes (one L2 sector), not every 4: the counters of a coarse level's
-# rows, each hit by about 1,300 corners at the encoder, then spread over more L2 slices. On the
-# H200 the encoder's count pass ran 259 us against 441, its fill 836 against 947; the decoder
-# lost 11 us zeroing the wider counters (bench/NOTES.md entry 36).
-LIST_COUNT_STRIDE = 8
+LIST_QUERIES = 16  # queries a program of the sample lists' kernel
+# Overrides of `list_rule` (bench.tune, tests): the gather's rows a program and list entries a
+# run a step, the counters' spacing; None: the rule's.
+LIST_ROWS: int | None = None
+LIST_ENTRIES: int | None = None
+LIST_COUNT_STRIDE: int | None = None
+
+
+def list_rule(num_queries, num_values, value: Tensor) -> tuple[int, int, int]:
+    """(rows a gather program, entries of each of a row's two runs a step, int32 counters from
+    one list's to the next) of the deterministic mode's lists, from the H200's sweep
+    (bench/NOTES.md entry 37, graph replay us):
+
+    - 4 rows, one warp in float32: float32 encoder 1562 against 1566 (8 rows) and 1588 (16),
+      decoder 189 against 202 and 212; bfloat16 encoder 1434 against 1711 and 1711. Half-precision
+      decoders take 8 (146 against 185 with 4: their short lists leave programs mostly fixed cost);
+    - 2 entries a run (4 loads in flight a row): 4 at 4 rows won the float32 encoder by 1% and lost
+      the decoder 23%;
+    - the counters of an encoder 32 bytes apart, a sector each: its coarse levels' pixels each take
+      about 330 samples of a head, spread over more L2 slices (float32 encoder 1548 against 1693
+      packed); a decoder's packed (178 against 189 us: less to zero, and few collide)."""
+    encoder = every_pixel_a_query(num_queries, num_values)
+    rows = 4 if encoder or value.element_size() >= 4 else 8
+    return (
+        LIST_ROWS or rows,
+        LIST_ENTRIES or 2,
+        LIST_COUNT_STRIDE or (8 if encoder else 1),
+    )
 
 
 def deterministic_grad_value(
@@ -452,12 +469,18 @@ def deterministic_grad_value(
     _, Q, _, L, K, _ = sampling_locations.shape
     L, K, M, D = int(L), int(K), int(M), int(D)
     device = value.device
-    corners = B * Q * M * L * K * 4  # every sample's four corners, listed or not
-    index_64 = needs_int64(value, sampling_locations, grad_output) or corners >= 2**31
+    samples = B * Q * M * L * K
+    index_64 = needs_int64(value, sampling_locations, grad_output) or samples * 4 >= 2**31
     compute = compute_dtype(value, sampling_locations, attention_weights)
-    counts = torch.zeros((B * S * M * LIST_COUNT_STRIDE,), dtype=torch.int32, device=device)
-    entries = torch.empty((corners,), dtype=torch.int64 if index_64 else torch.int32, device=device)
-    weights = torch.empty((corners,), dtype=torch.float64 if compute == tl.float64 else torch.float32, device=device)
+    num_lists = B * M * S  # one a pixel of each batch and head
+    rows, entries_a_step, count_stride = list_rule(Q, S, value)
+    counts = torch.zeros((num_lists * count_stride,), dtype=torch.int32, device=device)
+    with fill_skipped():  # each written before it is read (the NaN fill would cost a pass each)
+        entries = torch.empty((samples,), dtype=torch.int64 if index_64 else torch.int32, device=device)
+        weights = torch.empty((samples * 4,), dtype=torch.float64 if compute == tl.float64 else torch.float32,
+                              device=device)  # fmt: skip
+        grad_value = torch.empty(value.shape, dtype=value.dtype, device=device)
+    starts = spatial_shapes if level_start_index is None else level_start_index  # unread if None
     lists = dict(
         NUM_HEADS=M,
         NUM_LEVELS=L,
@@ -467,34 +490,51 @@ def deterministic_grad_value(
         COMPUTE=compute,
         INDEX_64=index_64,
         LEVEL_STARTS=level_start_index is not None,
-        COUNT_STRIDE=LIST_COUNT_STRIDE,
+        COUNT_STRIDE=count_stride,
         num_warps=max(1, min(8, LIST_QUERIES * _next_power_of_2(K) // 32)),
     )
     grid = (_cdiv(Q, LIST_QUERIES) * B * M,)
-    starts = spatial_shapes if level_start_index is None else level_start_index  # unread if None
     # Unread placeholders (spatial_shapes) where the counting pass has no lists yet.
     unread = spatial_shapes
-    launch(msda_corner_lists_kernel, grid, (spatial_shapes, starts, sampling_locations, unread, counts, unread,
+    launch(msda_sample_lists_kernel, grid, (spatial_shapes, starts, sampling_locations, unread, counts, unread,
                                             unread, unread, Q, S), {**lists, "FILL": False})  # fmt: skip
-    ends = counts[::LIST_COUNT_STRIDE].cumsum(0)
-    launch(msda_corner_lists_kernel, grid, (spatial_shapes, starts, sampling_locations, attention_weights, counts,
+    # Slots as int32 where every index fits: cheaper index arithmetic in the gather.
+    ends = counts[::count_stride].cumsum(0, dtype=torch.int64 if index_64 else torch.int32)
+    launch(msda_sample_lists_kernel, grid, (spatial_shapes, starts, sampling_locations, attention_weights, counts,
                                             ends, entries, weights, Q, S), {**lists, "FILL": True})  # fmt: skip
-    grad_value = torch.empty(value.shape, dtype=value.dtype, device=device)
-    rows = B * S * M
     gather = dict(
         NUM_HEADS=M,
         HEAD_DIM=D,
         NUM_LEVELS=L,
         NUM_POINTS=K,
-        ROWS=LIST_ROWS,
-        ENTRIES=LIST_ENTRIES,
+        ROWS=rows,
+        ENTRIES=entries_a_step,
         BLOCK_D=_next_power_of_2(D),
         INDEX_64=index_64 or needs_int64(grad_value),
-        num_warps=max(1, min(8, LIST_ROWS * _next_power_of_2(D) * value.element_size() // 16 // 32)),
+        LEVEL_STARTS=level_start_index is not None,
+        BATCHES_FOLLOW=grad_output.stride(0) == Q * grad_output.stride(1),
+        BLOCK_L=_next_power_of_2(L),
+        num_warps=max(1, min(8, rows * _next_power_of_2(D) * value.element_size() // 16 // 32)),
     )
     inverse_scale = fixed_point_scale.reciprocal()  # exact: a power of two
-    args = (grad_output, grad_output.stride(0), grad_output.stride(1), ends, entries, weights, inverse_scale,
-            fixed_point_scale, grad_value, Q, rows)  # fmt: skip
-    if rows > 0:
-        launch(msda_gather_grad_value_kernel, (_cdiv(rows, LIST_ROWS),), args, gather)
+    args = (grad_output, grad_output.stride(0), grad_output.stride(1), spatial_shapes, starts, ends, entries, weights,
+            inverse_scale, fixed_point_scale, grad_value, Q, S, num_lists)  # fmt: skip
+    if num_lists > 0:
+        launch(msda_gather_grad_value_kernel, (B * M * _cdiv(S, rows),), args, gather)
     return grad_value
+
+
+@contextlib.contextmanager
+def fill_skipped(skip: bool = True):
+    """torch.empty inside it without the NaN fill of deterministic mode
+    (torch.utils.deterministic.fill_uninitialized_memory), where `skip`: for buffers the kernels
+    write whole or read only where written. A traced call's graph allocates later, with the fill."""
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    if not (skip and fill):
+        yield
+        return
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = True
