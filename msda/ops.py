@@ -149,7 +149,7 @@ def _launch_backward(
     their gradient."""
     _, Q, _, L, K, _ = sampling_locations.shape
     # Softmax weights are at most 1: the fixed-point bound needs no max over the logits.
-    # The deterministic mode sums grad_value from per-row lists (kernels/deterministic.py), except
+    # The deterministic mode sums grad_value from lists of samples (kernels/deterministic.py), except
     # in the fused-softmax kernels (their weights exist only inside the kernel): 64-bit atomics.
     grad_value, fixed_point_scale, replicas = grad_value_buffer(
         value, grad_output, None if softmax else attention_weights, Q, L, K, lists=not softmax

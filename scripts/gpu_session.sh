@@ -36,6 +36,9 @@ sanitize() {  # memcheck over the Triton kernels' edge shapes; nonzero exit on a
 
 tier() {
   local pids=() names=(gpu_bad_input gpu_graphs gpu_numerics gpu_contract gpu_fuzz rest sanitize) i s=0
+  # The fuzz's default, 500 examples a dtype, takes over 9 minutes on one H200: past a 10-minute
+  # device call with the rest (MSDA_GPU_FUZZ_EXAMPLES=50 fits; run the 500 on their own).
+  echo "fuzz: ${MSDA_GPU_FUZZ_EXAMPLES:-500} examples a dtype (MSDA_GPU_FUZZ_EXAMPLES)"
   pytest_log gpu_bad_input 300 tests/gpu/test_gpu_bad_input.py & pids+=($!)
   pytest_log gpu_graphs 300 tests/gpu/test_gpu_compile.py tests/gpu/test_gpu_cuda_graphs.py tests/gpu/test_gpu_export.py & pids+=($!)
   pytest_log gpu_numerics 300 tests/gpu/test_gpu_numerics.py tests/gpu/test_gpu_opcheck.py tests/gpu/test_gpu_streams.py \

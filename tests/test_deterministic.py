@@ -98,10 +98,12 @@ def test_fixed_point_scale_is_nan_for_non_finite_inputs(bad):
 
 
 @pytest.mark.parametrize(
-    "rows, entries, queries", [(None, None, 7), (None, None, 17), (1, 2, 7), (8, 4, 7)],
-    ids=["rule", "rule-encoder", "1x2", "8x4"],
+    "dtype, rows, entries, queries",
+    [(torch.float32, None, None, 7), (torch.float16, None, None, 7), (torch.float32, None, None, 17),
+     (torch.float16, None, None, 17), (torch.float32, 1, 2, 7), (torch.float16, 8, 4, 7)],
+    ids=["float32-rule", "float16-rule", "float32-rule-encoder", "float16-rule-encoder", "float32-1x2",
+         "float16-8x4"],
 )  # fmt: skip
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @interpreted
 def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, dtype, rows, entries, queries):
     """grad_value summed from the lists of samples equals, bit for bit, the backward kernel's 64-bit

@@ -309,7 +309,7 @@ def test_all_meta_is_valid():
 @pytest.mark.parametrize("path,device", PATHS)
 def test_deterministic_mode_sums_in_fixed_point(path, device, mode, request):
     """As msda::backward: under torch.use_deterministic_algorithms(True) the kernels sum grad_value
-    in fixed point (tests/test_deterministic.py): the per-row lists where the softmax runs outside
+    in fixed point (tests/test_deterministic.py): the lists of samples where the softmax runs outside
     the kernels (launch.FUSED_SOFTMAX False), the 64-bit atomics inside them; the pure-PyTorch path
     is deterministic anyway."""
     if mode == "deterministic":
