@@ -18,7 +18,7 @@ from bench import run as bench_run
 from bench.__main__ import config_from, parse_args
 from bench.merge import merge
 from bench.timing import AGREEMENT, Timing, agree, device_events_us
-from bench.tune import _tiles
+from bench.tune import _list_tile, _tiles
 from bench.variants import PRESETS, SMOKE, VARIANTS, Cell, _msda_autograd, _msda_op, _reference, grid_sample_msda
 from msda.kernels.launch import TileConfig
 from msda.testing import TOLERANCE, make_inputs, reference
@@ -293,3 +293,11 @@ def test_tune_tiles_positional_and_named():
     for bad in ("16,2,0,lanes=1", "16,2,lane_unroll=2,0", "16,x,0", "16,2,0,block_q=8", "16"):
         with pytest.raises(argparse.ArgumentTypeError, match=bad):
             _tiles(bad)
+
+
+def test_tune_list_tiles():
+    """bench.tune --lists: rows and entries, and optionally the counters' spacing."""
+    assert _list_tile("4,2") == (4, 2) and _list_tile("8,2,1") == (8, 2, 1)
+    for bad in ("4", "4,x", "0,2", "1,2,3,4"):
+        with pytest.raises(argparse.ArgumentTypeError, match=bad):
+            _list_tile(bad)
