@@ -140,7 +140,7 @@ def msda_gather_grad_value_kernel(
     NUM_LEVELS: tl.constexpr,
     NUM_POINTS: tl.constexpr,
     ROWS: tl.constexpr,  # rows a program
-    ENTRIES: tl.constexpr,  # list entries a row a step, unrolled: their loads in flight together
+    ENTRIES: tl.constexpr,  # entries of each of a row's two runs a step, unrolled: their loads in flight together
     BLOCK_D: tl.constexpr,
     INDEX_64: tl.constexpr,
     LEVEL_STARTS: tl.constexpr,  # False: sum the level sizes
