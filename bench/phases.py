@@ -22,16 +22,13 @@ from torch.profiler import ProfilerActivity, profile
 import msda  # noqa: F401  (registers torch.ops.msda)
 from msda.testing import PRESETS, make_inputs
 
+from .timing import warm_up
 from .variants import DISTS, DTYPES
-
-WARM_UP_CALLS = 3
 
 
 def kernel_times(call, calls: int) -> dict[str, float]:
     """Device time per call (us) of each CUDA kernel `call` launches, by kernel name."""
-    for _ in range(WARM_UP_CALLS):
-        call()
-    torch.cuda.synchronize()
+    warm_up(call)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             call()
