@@ -121,9 +121,15 @@ def kernel_calls(
                 softmax=softmax, scratch=scratch,
             )[1:]),
         ]  # fmt: skip
-        if value_dtype == torch.float32:  # the encoder's rule: every pixel a query (Q == S)
+        if value_dtype != torch.float64:  # the encoder's rules: every pixel a query (Q == S)
             every_pixel = [torch.zeros(B, S, *t.shape[2:], dtype=t.dtype) for t in (loc, attn, out)]
             calls.append((msda_forward_kernel, *launch.forward_call(value, shapes, starts, *every_pixel)[1:]))
+            every_loc, every_attn, every_out = every_pixel
+            every_scratch = None if scratch is None else torch.zeros(every_attn.shape, dtype=scratch.dtype)
+            calls.append((msda_backward_kernel, *launch.backward_call(
+                every_out, value, shapes, starts, every_loc, every_attn, grad_value, torch.zeros_like(every_loc),
+                torch.zeros_like(every_attn), softmax=softmax, scratch=every_scratch,
+            )[1:]))  # fmt: skip
         replicas = torch.zeros(B, 2, M, head_dim, dtype=accumulator)
         calls += [
             (msda_backward_kernel, *launch.backward_call(

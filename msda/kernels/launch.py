@@ -102,23 +102,27 @@ def forward_config(
     plain loop (the prefetch lost it 3-4% at the encoder).
     Unrolling the level loop as well compiled in 1.7 to 6.5 s instead of 0.2 to 0.6 s: not taken.
 
-    encoder (`every_pixel_a_query`, and the register target applies): float32 takes programs of
-    one warp (2 queries at head_dim 32) at 56 registers. On the H200 the float32 encoder preset
-    ran 197 us against 209 (uniform) and 171 against 185 (`local`) at 64 registers, and 56 took
-    another 1.7% off uniform for 0.5% on `local` (entry 36); the decoder's few queries lose with
-    one warp (11.8 against 9.2 us: its programs no longer fit in one wave), hence the two rules.
-    Measured at head_dim 32 (entry 34); other widths keep one warp a program."""
+    encoder (`every_pixel_a_query`, and the register target applies): programs of one warp (2
+    queries at head_dim 32 in float32, 4 in half precision), float32 at 56 registers. On the H200
+    the float32 encoder preset ran 197 us against 209 (uniform) and 171 against 185 (`local`) at
+    64 registers, and 56 took another 1.7% off uniform for 0.5% on `local` (entry 36); the half
+    encoders at one warp, against 16 queries (entry 38, uniform / `local`): float16 131.5 / 124.5
+    us against 132.2 / 126.0, bfloat16 129.4 / 127.8 against 135.5 / 128.8; the decoder's few
+    queries lose with one warp (11.8 against 9.2 us: its programs no longer fit in one wave), hence the
+    two rules. Measured at head_dim 32 (entry 34); other widths keep one warp a program."""
     half = value_dtype in (torch.float16, torch.bfloat16)
-    if encoder and value_dtype == torch.float32:
-        row_threads = max(1, min(32, _next_power_of_2(head_dim) // 4))  # 16-byte loads of a row
+    if encoder and (half or value_dtype == torch.float32):
+        # 16-byte loads of a row: its threads.
+        row_threads = max(1, min(32, _next_power_of_2(head_dim) * value_dtype.itemsize // 16))
         return TileConfig(
             block_q=max(2, 32 // (2 * row_threads)),
             groups=2,
             threads_per_row=0,
-            prefetch=True,
+            prefetch=value_dtype != torch.float16,
+            bf16_pairs=value_dtype == torch.bfloat16,
             lane_placement=True,
-            lane_unroll=2,
-            max_registers=56,
+            lane_unroll=4 if half else 2,
+            max_registers=64 if half else 56,
         )
     return TileConfig(
         block_q=16,
@@ -140,12 +144,17 @@ def every_pixel_a_query(num_queries, num_values) -> bool:
     return statically_known_true(num_queries == num_values)
 
 
-def backward_config(num_levels: int, num_points: int, head_dim: int, value_dtype: torch.dtype) -> TileConfig:
+def backward_config(
+    num_levels: int, num_points: int, head_dim: int, value_dtype: torch.dtype, encoder: bool = False
+) -> TileConfig:
     """The backward's launch rule (bench/NOTES.md, entry 13): a whole row per load and per atomic
     (the L2 handles fewer, larger reductions better), 4 queries, points in four groups, each
     step's parameters loaded a step ahead where a step holds one point a group (K <= 4: 0.1-1.8
-    us off the decoders, entry 31)."""
-    return TileConfig(block_q=4, groups=4, threads_per_row=0, prefetch=True)
+    us off the decoders, entry 31). Half-precision encoders (`every_pixel_a_query`) take 2
+    queries: 569 us against 584 at the preset, 540 against 554 under `local` (entry 38; 4 us
+    slower at the decoder in entry 33's tiles, hence the encoder alone)."""
+    half = value_dtype in (torch.float16, torch.bfloat16)
+    return TileConfig(block_q=2 if encoder and half else 4, groups=4, threads_per_row=0, prefetch=True)
 
 
 def compute_dtype(*tensors: Tensor):
@@ -318,7 +327,7 @@ def backward_call(
     B, S, M, D = value.shape
     _, Q, _, L, K, _ = sampling_locations.shape
     L, K, M, D = int(L), int(K), int(M), int(D)
-    config = config or backward_config(L, K, D, value.dtype)
+    config = config or backward_config(L, K, D, value.dtype, every_pixel_a_query(Q, S))
     constexprs = dict(config.constexprs(D, value.element_size(), K))
     constexprs.update(
         NUM_HEADS=M,
