@@ -3,7 +3,7 @@
     python -m bench.tune [--presets decoder encoder] [--dtypes float32 float16 bfloat16]
                          [--dists uniform local] [--kernels fwd bwd]
                          [--forward 16,2,0 8,2,0 ...] [--backward 4,4,0 ...] [--float32-params]
-                         [--lists 4,2 8,2,1 ...]
+                         [--lists 4,2 8,2,1 16,2,1,1 ...]
 
 Each variant is a msda.kernels.launch.TileConfig (block_q,groups,threads_per_row[,unroll_levels
 [,prefetch[,bf16_pairs[,lane_placement[,lane_unroll[,max_registers]]]]]]; threads_per_row 0 reads a
@@ -16,8 +16,8 @@ variant's output checked against the float64 reference in the same run, and the 
 beside it when importable. bench/NOTES.md logs what the sweeps chose.
 
 --lists times the deterministic mode's backward (kernels/deterministic.py) at each gather tile
-ROWS,ENTRIES[,COUNT_STRIDE] (launch.LIST_ROWS, launch.LIST_ENTRIES, launch.LIST_COUNT_STRIDE; the
-rule's stride where not given), against the default atomic backward and the 64-bit atomic
+ROWS,ENTRIES[,COUNT_STRIDE[,WARPS]] (launch.LIST_ROWS, launch.LIST_ENTRIES, launch.LIST_COUNT_STRIDE,
+launch.LIST_WARPS: a gather program's warps; the rule's stride and warps where not given), against the default atomic backward and the 64-bit atomic
 fixed-point path it replaces, each checked against the float64 reference.
 
 --ncu launches each variant once between cudaProfilerStart and cudaProfilerStop instead of
@@ -97,7 +97,7 @@ def backward_launch(inputs, grad_output, tile: launch.TileConfig, accumulator: t
 
 def deterministic_launch(inputs, grad_output, tile: tuple[int, ...] | None):
     """(a callable running the deterministic mode's backward, the three gradients it last gave):
-    tile (rows, entries[, count stride]): the lists at that gather tile; None: the 64-bit atomic
+    tile (rows, entries[, count stride[, warps]]): the lists at that gather tile; None: the 64-bit atomic
     fixed-point path (an int64 grad_value zeroed, added into, converted)."""
     value, shapes, starts, loc, attn = inputs.args()
     Q, L, K = loc.shape[1], loc.shape[3], loc.shape[4]
@@ -114,10 +114,10 @@ def deterministic_launch(inputs, grad_output, tile: tuple[int, ...] | None):
         if tile is None:
             grads[0] = from_fixed_point(fixed, scale, value.dtype)
             return
-        launch.LIST_ROWS, launch.LIST_ENTRIES, launch.LIST_COUNT_STRIDE = (*tile, None)[:3]
+        launch.LIST_ROWS, launch.LIST_ENTRIES, launch.LIST_COUNT_STRIDE, launch.LIST_WARPS = (*tile, None, None)[:4]
         grads[0] = launch.deterministic_grad_value(
             lambda kernel, grid, args, constexprs: kernel[grid](*args, **constexprs),
-            grad_output, value, shapes, starts, loc, attn, scale,
+            grad_output, value, shapes, starts, loc, attn,
         )  # fmt: skip
 
     return run, grads
@@ -168,8 +168,8 @@ def _list_tile(text: str) -> tuple[int, ...]:
         tile = tuple(int(n) for n in text.split(","))
     except ValueError:
         tile = ()
-    if len(tile) not in (2, 3) or min(tile) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected ROWS,ENTRIES[,COUNT_STRIDE]")
+    if len(tile) not in (2, 3, 4) or min(tile) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ROWS,ENTRIES[,COUNT_STRIDE[,WARPS]]")
     return tile
 
 
@@ -185,7 +185,7 @@ def main() -> None:
     parser.add_argument("--kernels", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     parser.add_argument("--forward", nargs="+", type=_tiles, default=FORWARD_SWEEP, metavar="Q,G,T[,...]")
     parser.add_argument("--backward", nargs="+", type=_tiles, default=BACKWARD_SWEEP, metavar="Q,G,T")
-    parser.add_argument("--lists", nargs="+", type=_list_tile, default=[], metavar="ROWS,ENTRIES[,STRIDE]",
+    parser.add_argument("--lists", nargs="+", type=_list_tile, default=[], metavar="ROWS,ENTRIES[,STRIDE[,WARPS]]",
                         help="time the deterministic backward at these gather tiles")  # fmt: skip
     parser.add_argument("--ncu", action="store_true", help="launch each variant once for ncu, time nothing")
     parser.add_argument("--float32-params", action="store_true",
@@ -237,7 +237,7 @@ def main() -> None:
                     expected = reference_with_grads(inputs, grad)[1:]
                     run, _ = backward_launch(inputs, grad, launch.backward_config(4, 4, D, dtype))
                     line = [f"atomic: {graph_device_time(run, calls=10, replays=5).median_us:.1f}"]
-                    overrides = launch.LIST_ROWS, launch.LIST_ENTRIES, launch.LIST_COUNT_STRIDE
+                    overrides = launch.LIST_ROWS, launch.LIST_ENTRIES, launch.LIST_COUNT_STRIDE, launch.LIST_WARPS
                     for tile in [None, *opts.lists]:
                         run, grads = deterministic_launch(inputs, grad, tile)
                         t = graph_device_time(run, calls=10, replays=5)
@@ -245,7 +245,7 @@ def main() -> None:
                         worst = max(relative_error(g, r) for g, r in zip(grads, expected))
                         name = "int64 atomics" if tile is None else "lists " + "x".join(map(str, tile))
                         line.append(f"{name}: {t.median_us:.1f} ({worst:.0e})")
-                    launch.LIST_ROWS, launch.LIST_ENTRIES, launch.LIST_COUNT_STRIDE = overrides
+                    launch.LIST_ROWS, launch.LIST_ENTRIES, launch.LIST_COUNT_STRIDE, launch.LIST_WARPS = overrides
                     print(f"deterministic {cell} | " + "  ".join(line), flush=True)
                 del inputs
                 torch.cuda.empty_cache()

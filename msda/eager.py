@@ -27,14 +27,14 @@ if ops.HAS_TRITON:
         msda_backward_kernel,
         msda_fold_replicas_kernel,
     )
-    from .kernels.deterministic import msda_gather_grad_value_kernel, msda_sample_lists_kernel
+    from .kernels import deterministic
     from .kernels.direct import DirectLauncher
     from .kernels.forward import msda_forward_kernel
 
     _forward_kernel = DirectLauncher(msda_forward_kernel)
     _backward_kernel = DirectLauncher(msda_backward_kernel)
     _fold_kernel = DirectLauncher(msda_fold_replicas_kernel)
-    _LISTS = {kernel: DirectLauncher(kernel) for kernel in (msda_sample_lists_kernel, msda_gather_grad_value_kernel)}
+    _LISTS = {kernel: DirectLauncher(kernel) for kernel in deterministic.KERNELS}
 
 _FLOATS = frozenset(validation.FLOAT_DTYPES)
 _INDICES = frozenset(validation.INDEX_DTYPES)
@@ -201,7 +201,6 @@ def launch_backward(
         grad_value = launch.deterministic_grad_value(
             lambda kernel, grid, args, constexprs: _launch(_LISTS[kernel], grid, args, constexprs, value.device),
             grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-            fixed_point_scale,
         )  # fmt: skip
         return grad_value, grad_loc, grad_attn
     return finish_grad_value(grad_value, fixed_point_scale, value.dtype), grad_loc, grad_attn

@@ -204,7 +204,6 @@ def _launch_backward(
                 level_start_index.contiguous(),
                 sampling_locations.contiguous(),
                 attention_weights.contiguous(),
-                fixed_point_scale,
             )
         return grad_value, grad_loc, grad_attn
     return finish_grad_value(grad_value, fixed_point_scale, value.dtype), grad_loc, grad_attn

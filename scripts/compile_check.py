@@ -47,7 +47,11 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from msda.kernels import launch  # noqa: E402
 from msda.kernels.backward import msda_backward_kernel, msda_fold_replicas_kernel  # noqa: E402
-from msda.kernels.deterministic import msda_gather_grad_value_kernel, msda_sample_lists_kernel  # noqa: E402
+from msda.kernels.deterministic import (  # noqa: E402
+    msda_fixed_point_scale_kernel,
+    msda_gather_grad_value_kernel,
+    msda_sample_lists_kernel,
+)
 from msda.kernels.forward import msda_forward_kernel  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -84,6 +88,8 @@ def outputs(kernel, constexprs: dict, softmax: bool) -> list[str]:
         return ["counts_ptr", "entries_ptr", "weights_ptr"] if constexprs["FILL"] else ["counts_ptr"]
     if kernel is msda_gather_grad_value_kernel:
         return ["grad_value_ptr"]
+    if kernel is msda_fixed_point_scale_kernel:
+        return ["maxima_ptr", "scales_ptr"]
     written = OUTPUTS[kernel.__name__, softmax] + (["replica_ptr"] if constexprs.get("REPLICAS") else [])
     if constexprs.get("GRAD_VALUE") is False:  # the deterministic mode's lists sum grad_value
         written.remove("grad_value_ptr")
@@ -150,7 +156,7 @@ def kernel_calls(
                 )[1:]))  # fmt: skip
                 launch.deterministic_grad_value(
                     lambda kernel, grid, args, constexprs: calls.append((kernel, args, constexprs)),
-                    out, value, shapes, starts, loc, attn, torch.ones(1),
+                    out, value, shapes, starts, loc, attn,
                 )
     finally:
         launch.needs_int64, launch.register_target = needs_int64, register_target

@@ -97,23 +97,49 @@ def test_fixed_point_scale_is_nan_for_non_finite_inputs(bad):
     assert math.isnan(backward_kernel.fixed_point_scale(weights, None, 10).item())
 
 
+@pytest.mark.parametrize("largest", [0.0, 1e-41, 1e-30, 3e-5, 1.0, 7.5e3, 3e30, math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@interpreted
+def test_fixed_point_scale_kernel_gives_the_pytorch_scale(largest, dtype):
+    """The lists' scale kernel gives backward.fixed_point_scale's 2**e, and 2**-e, to the bit:
+    zero, subnormal, normal and non-finite bounds, half-precision inputs, a grad_output whose
+    batches are not Q rows apart, and more than one program (the last one finishes the scale)."""
+    grad_output = torch.rand(2, 3, 8, dtype=torch.float64) * min(abs(largest), 1.0) * (largest == largest)
+    grad_output[1, 2, 5] = largest
+    grad_output = torch.cat([grad_output, grad_output[:, :1]], dim=1)[:, :-1].to(dtype)
+    weights = torch.rand(2, 3, 4, launch.SCALE_BLOCK // 4 + 1).to(dtype)
+    samples = 3 * 7
+
+    def run(kernel, grid, args, constexprs):
+        assert grid[0] > 1
+        kernel[grid](*args, **constexprs)
+
+    scales = launch.fixed_point_scales(run, grad_output, weights, samples, torch.zeros(3, dtype=torch.int32))
+    expected = backward_kernel.fixed_point_scale(grad_output, weights, samples)
+    if expected.isfinite().all():
+        assert torch.equal(scales, torch.cat([expected, expected.reciprocal()]))
+    else:
+        assert scales.isnan().all()
+
+
 @pytest.mark.parametrize(
-    "dtype, rows, entries, queries",
-    [(torch.float32, None, None, 7), (torch.float16, None, None, 7), (torch.float32, None, None, 17),
-     (torch.float16, None, None, 17), (torch.float32, 1, 2, 7), (torch.float16, 8, 4, 7)],
+    "dtype, rows, entries, warps, queries",
+    [(torch.float32, None, None, None, 7), (torch.float16, None, None, None, 7), (torch.float32, None, None, None, 17),
+     (torch.float16, None, None, None, 17), (torch.float32, 1, 2, None, 7), (torch.float16, 16, 4, 1, 7)],
     ids=["float32-rule", "float16-rule", "float32-rule-encoder", "float16-rule-encoder", "float32-1x2",
-         "float16-8x4"],
+         "float16-16x4-one-warp"],
 )  # fmt: skip
 @interpreted
-def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, dtype, rows, entries, queries):
+def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, dtype, rows, entries, warps, queries):
     """grad_value summed from the lists of samples equals, bit for bit, the backward kernel's 64-bit
     atomic adds of the same fixed-point contributions (the path the fused-softmax kernels keep),
     with samples outside the levels and straddling their borders, and a level of one pixel; at
     the rule's gather tile (a decoder's, and an encoder's: every pixel a query) and at others
-    (lists longer than a step, a program's rows past the last row)."""
+    (lists longer than a step, a program's rows past the last row, fewer warps than rows)."""
     if rows is not None:
         monkeypatch.setattr(launch, "LIST_ROWS", rows)
         monkeypatch.setattr(launch, "LIST_ENTRIES", entries)
+        monkeypatch.setattr(launch, "LIST_WARPS", warps)
     shape = Shape(2, queries, 2, 6, ((3, 4), (2, 2), (1, 1)), 3)
     assert launch.every_pixel_a_query(queries, shape.num_values) == (queries == 17)
     inputs = make_inputs(shape, dtype, outside_fraction=0.25, seed=8)
@@ -133,7 +159,7 @@ def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, dtype, r
     padded = torch.cat([grad_output, grad_output[:, :1]], dim=1)[:, :-1]
     assert padded.stride(0) != padded.shape[1] * padded.stride(1) and torch.equal(padded, grad_output)
     for given, grad in ((starts, grad_output), (None, grad_output), (starts, padded)):  # level starts summed too
-        listed = launch.deterministic_grad_value(run, grad, value, shapes, given, loc, attn, scale)
+        listed = launch.deterministic_grad_value(run, grad, value, shapes, given, loc, attn)
         assert listed.dtype == dtype and torch.equal(listed, atomic)
     assert atomic.abs().sum() > 0
 
@@ -145,13 +171,14 @@ def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, dtype, r
                                                   fixed_point_scale=scale)  # fmt: skip
     backward_kernel.msda_backward_kernel[grid](*args, **constexprs)
     atomic = backward_kernel.from_fixed_point(grads[0], scale, dtype)
-    listed = launch.deterministic_grad_value(run, grad_output, value, shapes, overlapping, loc, attn, scale)
+    listed = launch.deterministic_grad_value(run, grad_output, value, shapes, overlapping, loc, attn)
     assert torch.equal(listed, atomic) and atomic[:, 2:6].abs().sum() > 0
 
 
 def test_fill_skipped_only_inside_and_only_when_asked(deterministic_algorithms):
     """The deterministic mode's NaN fill of torch.empty is off inside `fill_skipped` (buffers the
-    kernels write whole) and back on after it, an exception included; `skip=False` keeps it."""
+    kernels write whole) and back on after it, an exception included; `skip=False` keeps it;
+    `empty_written_whole` allocates inside it."""
     flag = torch.utils.deterministic
     assert flag.fill_uninitialized_memory
     with launch.fill_skipped(False):
@@ -160,3 +187,15 @@ def test_fill_skipped_only_inside_and_only_when_asked(deterministic_algorithms):
         assert not flag.fill_uninitialized_memory
         raise RuntimeError
     assert flag.fill_uninitialized_memory and torch.empty(4).isnan().all()
+    # Outputs the kernels write whole allocate with the fill off, and leave it on.
+    fill_on_allocation = []
+
+    def spy(*args, **kwargs):
+        fill_on_allocation.append(flag.fill_uninitialized_memory)
+        return real_empty(*args, **kwargs)
+
+    real_empty = torch.empty
+    with mock.patch.object(torch, "empty", spy):
+        out = launch.empty_written_whole((2, 3), torch.float16, "cpu")
+    assert fill_on_allocation == [False] and flag.fill_uninitialized_memory
+    assert out.shape == (2, 3) and out.dtype == torch.float16

@@ -491,9 +491,9 @@ def grad_value_buffer(
     no buffer at all (None: kernels/deterministic.py sums grad_value); else
     `grad_value_accumulator_dtype`'s dtype, with replicas where `replica_rows` asks for them."""
     if torch.are_deterministic_algorithms_enabled():
-        scale = fixed_point_scale(grad_output, attention_weights, num_queries * num_levels * num_points)
         if lists:
-            return None, scale, None
+            return None, None, None
+        scale = fixed_point_scale(grad_output, attention_weights, num_queries * num_levels * num_points)
         return torch.zeros(value.shape, dtype=torch.int64, device=value.device), scale, None
     dtype = grad_value_accumulator_dtype(value, num_queries, num_levels, num_points)
     plain = type(value) is torch.Tensor  # not traced (fake or functional tensors under compile and export)

@@ -1,4 +1,4 @@
-"""The deterministic mode's grad_value without atomic adds on it (bench/NOTES.md entries 35-37).
+"""The deterministic mode's grad_value without atomic adds on it (bench/NOTES.md entries 35-38).
 
 Under torch.use_deterministic_algorithms(True) grad_value is summed in 64-bit fixed point
 (backward.py: `fixed_point_scale`). The backward kernel could add the integers with atomics, but
@@ -25,6 +25,9 @@ instructions. Instead each value row gathers its own contributions from lists of
    the same sum in any order, so the slot order does not matter, and the result is the atomic
    fixed-point path's to the bit. It writes grad_value once, in the value's dtype: nothing to
    zero.
+
+`msda_fixed_point_scale_kernel` computes the scale (`backward.fixed_point_scale`) first, in one
+launch.
 
 The backward kernel computes the other two gradients as usual (GRAD_VALUE=False).
 """
@@ -129,8 +132,7 @@ def msda_gather_grad_value_kernel(
     ends_ptr,  # (B * M * S,) int32 (int64 if INDEX_64): where each list ends (`msda_sample_lists_kernel`)
     entries_ptr,  # the lists
     weights_ptr,  # each corner's weight, at its sample's index times 4 plus the corner
-    inverse_scale_ptr,  # float32: 1 / fixed_point_scale
-    fixed_point_scale_ptr,  # float32
+    scales_ptr,  # float32 (2,): the fixed-point scale 2**e and 2**-e (`msda_fixed_point_scale_kernel`)
     grad_value_ptr,  # (B, S, M, D) in the value's dtype: written whole
     num_queries,
     num_values,
@@ -164,7 +166,7 @@ def msda_gather_grad_value_kernel(
     channel = tl.arange(0, BLOCK_D)[None, :]
     d_ok = channel < HEAD_DIM
     head_channel = (bm % NUM_HEADS) * HEAD_DIM + channel  # [1, BLOCK_D]
-    scale = tl.load(fixed_point_scale_ptr)
+    scale = tl.load(scales_ptr)
     total = tl.zeros([ROWS, BLOCK_D], dtype=tl.int64)
     # The levels' shapes and starts in one round trip, and which levels the program's pixels
     # meet: a loop that loaded them level by level waited on each load in turn.
@@ -206,7 +208,7 @@ def msda_gather_grad_value_kernel(
                                        BATCHES_FOLLOW)  # fmt: skip
                 done += ENTRIES
     # backward.from_fixed_point's conversion: the integer rounded once to float32, times 2**-e.
-    grad = total.to(tl.float32) * tl.load(inverse_scale_ptr)
+    grad = total.to(tl.float32) * tl.load(scales_ptr + 1)
     value_row = ((bm // NUM_HEADS) * num_values + pixel) * NUM_HEADS + bm % NUM_HEADS  # (b, pixel, m)
     tl.store(
         grad_value_ptr + value_row[:, None] * HEAD_DIM + channel,
@@ -251,3 +253,64 @@ def _add_entry(
     grad_out = tl.load(grad_out_ptr + row[:, None] + head_channel, mask=use[:, None] & d_ok, other=0.0)
     # The backward kernel's fixed point: round-toward-zero(weight * grad_out * scale).
     return total + (weight[:, None] * grad_out.to(weight.dtype) * scale).to(tl.int64)
+
+
+@triton.jit(do_not_specialize=["grad_out_stride_b", "grad_out_stride_q", "num_queries", "grad_out_numel",
+                               "attn_numel", "samples_per_row"])  # fmt: skip
+def msda_fixed_point_scale_kernel(
+    grad_out_ptr,  # (B, Q, C), channels contiguous
+    grad_out_stride_b,
+    grad_out_stride_q,
+    num_queries,
+    channels,
+    grad_out_numel,
+    attn_ptr,  # (B * Q * M * L * K,) contiguous
+    attn_numel,
+    maxima_ptr,  # int32 (3,) zeros: the largest |grad_out| and |attn| as bits, and a ticket
+    scales_ptr,  # float32 (2,): written 2**e and 2**-e
+    samples_per_row,  # Q * L * K
+    FIXED_POINT_BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    INDEX_64: tl.constexpr,
+):
+    """backward.fixed_point_scale in one launch instead of about twenty small ones (about 30 us
+    at the decoder, bench/NOTES.md entry 38), to the bit: each program takes its block's largest
+    magnitudes as integers (a float's bits without the sign order as the floats do, and NaN's
+    above infinity's), atomic max, order-free; the last program to finish turns them into
+    2**e and 2**-e."""
+    pid = tl.program_id(0)
+    if INDEX_64:
+        pid = pid.to(tl.int64)
+    index = pid * BLOCK + tl.arange(0, BLOCK)
+    query = index // channels  # batch * num_queries + q
+    batch = query // num_queries
+    offset = batch * grad_out_stride_b + (query - batch * num_queries) * grad_out_stride_q + index - query * channels
+    grad_out = tl.load(grad_out_ptr + offset, mask=index < grad_out_numel, other=0.0).to(tl.float32)
+    tl.atomic_max(maxima_ptr, tl.max(tl.abs(grad_out).to(tl.int32, bitcast=True), axis=0), sem="relaxed")
+    attn = tl.load(attn_ptr + index, mask=index < attn_numel, other=0.0).to(tl.float32)
+    tl.atomic_max(maxima_ptr + 1, tl.max(tl.abs(attn).to(tl.int32, bitcast=True), axis=0), sem="relaxed")
+    # Release: this program's maxima before its ticket; the last ticket's acquire sees them all.
+    if tl.atomic_add(maxima_ptr + 2, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        largest_grad_out = tl.atomic_max(maxima_ptr, 0, sem="acquire").to(tl.float32, bitcast=True)
+        largest_attn = tl.atomic_max(maxima_ptr + 1, 0, sem="acquire").to(tl.float32, bitcast=True)
+        # fixed_point_scale's float32 products, in its order.
+        bound = largest_grad_out * samples_per_row * largest_attn  # (an int: torch.compile may pass a constant)
+        # frexp's exponent e (bound < 2**e): 0 for 0; at most -126 for a subnormal (the clamp
+        # below gives 2**127 for any of them).
+        biased = (bound.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        exponent = tl.where(biased == 0, tl.where(bound == 0.0, 0, -126), biased - 126)
+        e = tl.minimum(tl.maximum(FIXED_POINT_BITS - exponent, -126), 127)
+        scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+        # 2**-e: normal down to 2**-126, 2**-127 subnormal.
+        inverse = tl.where(e <= 126, (127 - e) << 23, 1 << 22).to(tl.float32, bitcast=True)
+        finite = bound < float("inf")  # False for inf and NaN
+        tl.store(scales_ptr, tl.where(finite, scale, float("nan")))
+        tl.store(scales_ptr + 1, tl.where(finite, inverse, float("nan")))
+
+
+# Every kernel of the deterministic mode's grad_value (the eager path's launchers).
+KERNELS = (
+    msda_fixed_point_scale_kernel,
+    msda_sample_lists_kernel,
+    msda_gather_grad_value_kernel,
+)

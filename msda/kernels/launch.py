@@ -21,8 +21,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .backward import msda_backward_kernel
-from .deterministic import msda_gather_grad_value_kernel, msda_sample_lists_kernel
+from .backward import FIXED_POINT_BITS, msda_backward_kernel
+from .deterministic import msda_fixed_point_scale_kernel, msda_gather_grad_value_kernel, msda_sample_lists_kernel
 from .forward import msda_forward_kernel
 
 
@@ -437,27 +437,36 @@ LIST_QUERIES = 16  # queries a program of the sample lists' kernel
 LIST_ROWS: int | None = None
 LIST_ENTRIES: int | None = None
 LIST_COUNT_STRIDE: int | None = None
+LIST_WARPS: int | None = None
 
 
-def list_rule(num_queries, num_values, value: Tensor) -> tuple[int, int, int]:
-    """(rows a gather program, entries of each of a row's two runs a step, int32 counters from
-    one list's to the next) of the deterministic mode's lists, from the H200's sweep
-    (bench/NOTES.md entry 37, graph replay us):
+class ListRule(NamedTuple):
+    rows: int  # rows a gather program
+    entries: int  # entries of each of a row's two runs a step
+    count_stride: int  # int32 counters from one list's to the next
+    warps: int  # a gather program's
 
-    - 4 rows, one warp in float32: float32 encoder 1562 against 1566 (8 rows) and 1588 (16),
-      decoder 189 against 202 and 212; bfloat16 encoder 1434 against 1711 and 1711. Half-precision
-      decoders take 8 (146 against 185 with 4: their short lists leave programs mostly fixed cost);
-    - 2 entries a run (4 loads in flight a row): 4 at 4 rows won the float32 encoder by 1% and lost
-      the decoder 23%;
+
+def list_rule(num_queries, num_values, value: Tensor) -> ListRule:
+    """The deterministic mode's lists, from the H200's sweeps (bench/NOTES.md entries 37 and 38,
+    graph replay us):
+
+    - encoders: 4 rows a program, one warp in float32, 2 entries a run (4 loads in flight a row):
+      float32 1478 against 1681-2659 for 2 or 8 rows, 1 or 4 entries, 2 to 4 warps (entry 38),
+      bfloat16 1329 against 1530-2638;
+    - decoders: 32 rows a program in one warp, 1 entry a run: their lists are short and mostly
+      empty, so a program is mostly fixed cost, spread over more rows: float32 154 against 176 at
+      4 rows, bfloat16 142 against 144 at 8 rows (entry 38);
     - the counters of an encoder 32 bytes apart, a sector each: its coarse levels' pixels each take
       about 330 samples of a head, spread over more L2 slices (float32 encoder 1548 against 1693
       packed); a decoder's packed (178 against 189 us: less to zero, and few collide)."""
     encoder = every_pixel_a_query(num_queries, num_values)
-    rows = 4 if encoder or value.element_size() >= 4 else 8
-    return (
-        LIST_ROWS or rows,
-        LIST_ENTRIES or 2,
+    rows = LIST_ROWS or (4 if encoder else 32)
+    return ListRule(
+        rows,
+        LIST_ENTRIES or (2 if encoder else 1),
         LIST_COUNT_STRIDE or (8 if encoder else 1),
+        LIST_WARPS or (_gather_warps(rows, value.shape[-1], value) if encoder else 1),
     )
 
 
@@ -469,11 +478,11 @@ def deterministic_grad_value(
     level_start_index: Tensor | None,
     sampling_locations: Tensor,
     attention_weights: Tensor,
-    fixed_point_scale: Tensor,
 ) -> Tensor:
-    """The deterministic mode's grad_value by kernels/deterministic.py's three launches, each made
-    by `launch(kernel, grid, args, constexprs)` (the operator's through wrap_triton, the eager
-    path's directly); tensors as for `backward_call`, the weights not logits."""
+    """The deterministic mode's grad_value by kernels/deterministic.py's launches, each made by
+    `launch(kernel, grid, args, constexprs)` (the operator's through wrap_triton, the eager path's
+    directly); tensors as for `backward_call`, the weights not logits. The fixed-point scale is
+    `backward.fixed_point_scale`'s, computed by a kernel of its own."""
     B, S, M, D = value.shape
     _, Q, _, L, K, _ = sampling_locations.shape
     L, K, M, D = int(L), int(K), int(M), int(D)
@@ -482,13 +491,17 @@ def deterministic_grad_value(
     index_64 = needs_int64(value, sampling_locations, grad_output) or samples * 4 >= 2**31
     compute = compute_dtype(value, sampling_locations, attention_weights)
     num_lists = B * M * S  # one a pixel of each batch and head
-    rows, entries_a_step, count_stride = list_rule(Q, S, value)
-    counts = torch.zeros((num_lists * count_stride,), dtype=torch.int32, device=device)
+    rule = list_rule(Q, S, value)
+    # The counters, then the fixed-point scale's two maxima and ticket: one zeroing.
+    counters = torch.zeros((num_lists * rule.count_stride + 3,), dtype=torch.int32, device=device)
+    counts, maxima = counters[:-3], counters[-3:]
+    index_dtype = torch.int64 if index_64 else torch.int32
     with fill_skipped():  # each written before it is read (the NaN fill would cost a pass each)
-        entries = torch.empty((samples,), dtype=torch.int64 if index_64 else torch.int32, device=device)
+        entries = torch.empty((samples,), dtype=index_dtype, device=device)
         weights = torch.empty((samples * 4,), dtype=torch.float64 if compute == tl.float64 else torch.float32,
                               device=device)  # fmt: skip
         grad_value = torch.empty(value.shape, dtype=value.dtype, device=device)
+    scales = fixed_point_scales(launch, grad_output, attention_weights, Q * L * K, maxima)
     starts = spatial_shapes if level_start_index is None else level_start_index  # unread if None
     lists = dict(
         NUM_HEADS=M,
@@ -499,7 +512,7 @@ def deterministic_grad_value(
         COMPUTE=compute,
         INDEX_64=index_64,
         LEVEL_STARTS=level_start_index is not None,
-        COUNT_STRIDE=count_stride,
+        COUNT_STRIDE=rule.count_stride,
         num_warps=max(1, min(8, LIST_QUERIES * _next_power_of_2(K) // 32)),
     )
     grid = (_cdiv(Q, LIST_QUERIES) * B * M,)
@@ -508,7 +521,7 @@ def deterministic_grad_value(
     launch(msda_sample_lists_kernel, grid, (spatial_shapes, starts, sampling_locations, unread, counts, unread,
                                             unread, unread, Q, S), {**lists, "FILL": False})  # fmt: skip
     # Slots as int32 where every index fits: cheaper index arithmetic in the gather.
-    ends = counts[::count_stride].cumsum(0, dtype=torch.int64 if index_64 else torch.int32)
+    ends = counts[:: rule.count_stride].cumsum(0, dtype=index_dtype)
     launch(msda_sample_lists_kernel, grid, (spatial_shapes, starts, sampling_locations, attention_weights, counts,
                                             ends, entries, weights, Q, S), {**lists, "FILL": True})  # fmt: skip
     gather = dict(
@@ -516,21 +529,51 @@ def deterministic_grad_value(
         HEAD_DIM=D,
         NUM_LEVELS=L,
         NUM_POINTS=K,
-        ROWS=rows,
-        ENTRIES=entries_a_step,
+        ROWS=rule.rows,
+        ENTRIES=rule.entries,
         BLOCK_D=_next_power_of_2(D),
         INDEX_64=index_64 or needs_int64(grad_value),
         LEVEL_STARTS=level_start_index is not None,
         BATCHES_FOLLOW=grad_output.stride(0) == Q * grad_output.stride(1),
         BLOCK_L=_next_power_of_2(L),
-        num_warps=max(1, min(8, rows * _next_power_of_2(D) * value.element_size() // 16 // 32)),
+        num_warps=rule.warps,
     )
-    inverse_scale = fixed_point_scale.reciprocal()  # exact: a power of two
     args = (grad_output, grad_output.stride(0), grad_output.stride(1), spatial_shapes, starts, ends, entries, weights,
-            inverse_scale, fixed_point_scale, grad_value, Q, S, num_lists)  # fmt: skip
+            scales, grad_value, Q, S, num_lists)  # fmt: skip
     if num_lists > 0:
-        launch(msda_gather_grad_value_kernel, (B * M * _cdiv(S, rows),), args, gather)
+        launch(msda_gather_grad_value_kernel, (B * M * _cdiv(S, rule.rows),), args, gather)
     return grad_value
+
+
+SCALE_BLOCK = 4096  # elements of grad_output and of the weights a program of `msda_fixed_point_scale_kernel`
+
+
+def fixed_point_scales(launch, grad_output: Tensor, attention_weights: Tensor, samples_per_row, maxima: Tensor) -> Tensor:
+    """float32 (2,): `backward.fixed_point_scale`'s 2**e and 2**-e, by one launch of
+    `msda_fixed_point_scale_kernel` through `launch`; maxima: int32 (3,) zeros for it."""
+    scales = torch.empty((2,), dtype=torch.float32, device=grad_output.device)
+    numel = max(grad_output.numel(), attention_weights.numel())
+    launch(msda_fixed_point_scale_kernel, (_cdiv(numel, SCALE_BLOCK),),
+           (grad_output, grad_output.stride(0), grad_output.stride(1), grad_output.shape[1], grad_output.shape[2],
+            grad_output.numel(), attention_weights, attention_weights.numel(), maxima, scales, samples_per_row),
+           dict(FIXED_POINT_BITS=FIXED_POINT_BITS, BLOCK=SCALE_BLOCK,
+                INDEX_64=needs_int64(grad_output, attention_weights)))  # fmt: skip
+    return scales
+
+
+def _gather_warps(rows: int, head_dim: int, value: Tensor) -> int:
+    """Warps of a gather program: 16 bytes of a row's grad_value a thread."""
+    return max(1, min(8, rows * _next_power_of_2(head_dim) * value.element_size() // 16 // 32))
+
+
+def empty_written_whole(shape, dtype: torch.dtype, device) -> Tensor:
+    """torch.empty for a buffer a kernel writes every element of: without the NaN fill of
+    deterministic mode (a pass over it: 12 us for the float32 encoder's forward output, entry
+    38), and without `fill_skipped`'s context manager where that fill is off (most calls)."""
+    if torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory:
+        with fill_skipped():
+            return torch.empty(shape, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 @contextlib.contextmanager
