@@ -147,7 +147,7 @@ def launch_forward(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights
     )
     B, _, M, D = value.shape
-    out = torch.empty((B, sampling_locations.shape[1], M * D), dtype=value.dtype, device=value.device)
+    out = launch.empty_written_whole((B, sampling_locations.shape[1], M * D), value.dtype, value.device)
     if out.numel() > 0:
         grid, args, constexprs = launch.forward_call(
             value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out, softmax=softmax
@@ -176,9 +176,8 @@ def launch_backward(
     grad_value, fixed_point_scale, replicas = grad_value_buffer(
         value, grad_output, None if softmax else attention_weights, Q, L, K, lists=not softmax
     )
-    with launch.fill_skipped(grad_value is None):  # the deterministic mode's NaN fill: not needed
-        grad_loc = torch.empty(sampling_locations.shape, dtype=sampling_locations.dtype, device=value.device)
-        grad_attn = torch.empty(attention_weights.shape, dtype=attention_weights.dtype, device=value.device)
+    grad_loc = launch.empty_written_whole(sampling_locations.shape, sampling_locations.dtype, value.device)
+    grad_attn = launch.empty_written_whole(attention_weights.shape, attention_weights.dtype, value.device)
     scratch = None
     if softmax:
         # The kernel keeps the weights' gradient here until its softmax pass: grad_attn itself

@@ -125,7 +125,7 @@ def _deterministic_float64(value: Tensor) -> bool:
 # The kernel launches of the operators' bodies (the plain and the softmax form differ by one flag).
 def _launch_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax=False):
     B, _, M, D = value.shape
-    out = value.new_empty((B, sampling_locations.shape[1], M * D))
+    out = launch.empty_written_whole((B, sampling_locations.shape[1], M * D), value.dtype, value.device)
     if out.numel() > 0:
         grid, args, constexprs = launch.forward_call(
             value.contiguous(),
@@ -155,9 +155,8 @@ def _launch_backward(
         value, grad_output, None if softmax else attention_weights, Q, L, K, lists=not softmax
     )
     # Every element of these two is written by exactly one program: no zeroing needed.
-    with launch.fill_skipped(grad_value is None):  # the deterministic mode's NaN fill: not needed
-        grad_loc = torch.empty(sampling_locations.shape, dtype=sampling_locations.dtype, device=value.device)
-        grad_attn = torch.empty(attention_weights.shape, dtype=attention_weights.dtype, device=value.device)
+    grad_loc = launch.empty_written_whole(sampling_locations.shape, sampling_locations.dtype, value.device)
+    grad_attn = launch.empty_written_whole(attention_weights.shape, attention_weights.dtype, value.device)
     # With softmax the kernel keeps the gradient of the weights here between its level loop and
     # its softmax pass. A buffer of its own (the eager fast path reuses grad_attn where the dtypes
     # allow): two written arguments that alias could keep torch.compile from reinplacing either.
