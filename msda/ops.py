@@ -148,6 +148,13 @@ def _launch_backward(
     """(grad_value, grad_loc, grad_attn); softmax: attention_weights holds logits, grad_attn is
     their gradient."""
     _, Q, _, L, K, _ = sampling_locations.shape
+    # The kernels read grad_output's channels contiguous (its other strides may be anything) and
+    # every other tensor contiguous: made so once, for the backward and the lists alike.
+    if grad_output.stride(2) != 1:
+        grad_output = grad_output.contiguous()
+    value, spatial_shapes, level_start_index, sampling_locations, attention_weights = (
+        t.contiguous() for t in (value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    )
     # Softmax weights are at most 1: the fixed-point bound needs no max over the logits.
     # The deterministic mode sums grad_value from lists of samples (kernels/deterministic.py), except
     # in the fused-softmax kernels (their weights exist only inside the kernel): 64-bit atomics.
@@ -169,12 +176,12 @@ def _launch_backward(
         )
     if grad_attn.numel() > 0:
         grid, args, constexprs = launch.backward_call(
-            grad_output if grad_output.stride(2) == 1 else grad_output.contiguous(),
-            value.contiguous(),
-            spatial_shapes.contiguous(),
-            level_start_index.contiguous(),
-            sampling_locations.contiguous(),
-            attention_weights.contiguous(),
+            grad_output,
+            value,
+            spatial_shapes,
+            level_start_index,
+            sampling_locations,
+            attention_weights,
             grad_value,
             grad_loc,
             grad_attn,
@@ -187,23 +194,16 @@ def _launch_backward(
             kernel, kwargs = launch.traceable(msda_backward_kernel, constexprs)
             wrap_triton(kernel)[grid](*args, **kwargs)
             if replicas is not None:
-                grid, args, constexprs = launch.fold_call(
-                    grad_value, replicas, spatial_shapes.contiguous(), level_start_index.contiguous(), Q, K
-                )
+                grid, args, constexprs = launch.fold_call(grad_value, replicas, spatial_shapes, level_start_index, Q, K)
                 wrap_triton(msda_fold_replicas_kernel)[grid](*args, **constexprs)
     if grad_value is None:  # the deterministic mode's lists
         if grad_attn.numel() == 0:
             return torch.zeros_like(value), grad_loc, grad_attn
         with _on_device(value.device):
             grad_value = launch.deterministic_grad_value(
-                _traceable_launch,
-                grad_output if grad_output.stride(2) == 1 else grad_output.contiguous(),
-                value.contiguous(),
-                spatial_shapes.contiguous(),
-                level_start_index.contiguous(),
-                sampling_locations.contiguous(),
-                attention_weights.contiguous(),
-            )
+                _traceable_launch, grad_output, value, spatial_shapes, level_start_index, sampling_locations,
+                attention_weights,
+            )  # fmt: skip
         return grad_value, grad_loc, grad_attn
     return finish_grad_value(grad_value, fixed_point_scale, value.dtype), grad_loc, grad_attn
 
