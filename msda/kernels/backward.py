@@ -109,13 +109,17 @@ def msda_backward_kernel(
     STEPS: tl.constexpr = (NUM_POINTS + GROUPS * UNROLL - 1) // (GROUPS * UNROLL)  # a level's steps
     MASKED_WEIGHT: tl.constexpr = float("-inf") if SOFTMAX else 0.0  # a masked logit's softmax weight is 0
     first_level = q_block % NUM_LEVELS
-    # The first level's first row (in the index dtype) and the replica rows (a batch) the levels
-    # before it take.
-    start = b * 0
-    used = b * 0
-    if (not LEVEL_STARTS) or REPLICAS:
-        start, used = levels_before(shapes_ptr, first_level, b * 0, num_queries, replica_rows, NUM_LEVELS, NUM_POINTS,
-                                    REPLICAS)  # fmt: skip
+    start = b * 0  # the level's first row, in the index dtype
+    used = b * 0  # replica rows (a batch) taken by the levels before
+    if (not LEVEL_STARTS) or REPLICAS:  # both sums up to the first level
+        for before in tl.static_range(NUM_LEVELS - 1):
+            if before < first_level:
+                h = tl.load(shapes_ptr + 2 * before).to(b.dtype)
+                w = tl.load(shapes_ptr + 2 * before + 1).to(b.dtype)
+                if REPLICAS:
+                    replicas, area = level_replicas(h, w, used, num_queries, replica_rows, NUM_POINTS)
+                    used += (replicas - 1) * area
+                start += h * w
     if PREFETCH:  # step 0: the first level, point `group`
         tl.static_assert(UNROLL == 1, "the backward prefetches one point a group a step")
         mask = (group < NUM_POINTS) & q_ok
@@ -315,26 +319,6 @@ def level_replicas(h, w, used, num_queries, replica_rows, NUM_POINTS: tl.constex
     return tl.maximum(tl.minimum(wanted, room), 1), area
 
 
-@triton.jit
-def levels_before(
-    shapes_ptr, level, zero, num_queries, replica_rows, NUM_LEVELS: tl.constexpr, NUM_POINTS: tl.constexpr,
-    REPLICAS: tl.constexpr,
-):  # fmt: skip
-    """(start, used): the rows the levels before `level` take (where it starts when the level
-    sizes are summed) and, with REPLICAS, the replica rows they take; zero: 0 in the index dtype."""
-    start = zero
-    used = zero
-    for before in tl.static_range(NUM_LEVELS - 1):
-        if before < level:
-            h = tl.load(shapes_ptr + 2 * before).to(zero.dtype)
-            w = tl.load(shapes_ptr + 2 * before + 1).to(zero.dtype)
-            if REPLICAS:
-                replicas, area = level_replicas(h, w, used, num_queries, replica_rows, NUM_POINTS)
-                used += (replicas - 1) * area
-            start += h * w
-    return start, used
-
-
 @triton.jit(do_not_specialize=["num_queries", "num_values", "replica_rows"])
 def msda_fold_replicas_kernel(
     grad_value_ptr,  # (B, S, M, D), as the backward kernel left it
@@ -362,7 +346,16 @@ def msda_fold_replicas_kernel(
     first_pixel = (pid % num_blocks) * BLOCK_PIXELS
     level = (pid // num_blocks) % NUM_LEVELS
     b = pid // num_blocks // NUM_LEVELS
-    start, used = levels_before(shapes_ptr, level, b * 0, num_queries, replica_rows, NUM_LEVELS, NUM_POINTS, True)
+    # The levels before this one: the replica rows they took, and where this one starts.
+    used = b * 0
+    start = b * 0
+    for before in tl.static_range(NUM_LEVELS - 1):
+        if before < level:
+            h = tl.load(shapes_ptr + 2 * before).to(b.dtype)
+            w = tl.load(shapes_ptr + 2 * before + 1).to(b.dtype)
+            replicas, area = level_replicas(h, w, used, num_queries, replica_rows, NUM_POINTS)
+            used += (replicas - 1) * area
+            start += h * w
     h = tl.load(shapes_ptr + 2 * level).to(b.dtype)
     w = tl.load(shapes_ptr + 2 * level + 1).to(b.dtype)
     if LEVEL_STARTS:
