@@ -22,7 +22,11 @@ It also checks:
   from the TTGIR, so that a release that picks another fails here and not with wrong results;
 - compile time: models with 8 levels or 8 points sit at L * K = 32 to 64, and a first call
   that compiles for a minute looks like a hang. Each kernel at L * K = 128 must compile within
-  COMPILE_SECONDS here (a generous bound for a busy two-core machine; about 1 s on one core).
+  COMPILE_SECONDS here (a generous bound for a busy two-core machine; about 1 s on one core);
+- integer arguments as constants: torch.compile's generated code passes a kernel's integer
+  arguments whose values it knows (static shapes) as constexprs, so in the kernel they are
+  Python ints, not tensors (`n.to(...)` then fails to compile: bench/NOTES.md entry 38 lost a
+  device call to it). At the preset every kernel compiles that way too.
 
 Prints each failure and a summary; exits 1 on any failure.
 """
@@ -194,9 +198,15 @@ def signature(kernel, args: tuple, constexprs: dict) -> dict:
     return {**types, **{name: "constexpr" for name in constexprs if name not in LAUNCH_OPTIONS}}
 
 
-def compile_for_hopper(kernel, args: tuple, constexprs: dict, timed: bool = False) -> float:
-    """Compile for sm_90 as a launch with these arguments would (16-byte-aligned pointers);
-    returns the seconds it took."""
+def compile_for_hopper(
+    kernel, args: tuple, constexprs: dict, timed: bool = False, constant_ints: bool = False
+) -> float:
+    """Compile for sm_90 as a launch with these arguments would (16-byte-aligned pointers), or
+    with `constant_ints` as torch.compile's code would with static shapes (every integer
+    argument a constexpr); returns the seconds it took."""
+    if constant_ints:
+        ints = {name: a for name, a in zip(kernel.arg_names, args) if isinstance(a, int)}
+        constexprs = {**constexprs, **ints}
     values = {k: v for k, v in constexprs.items() if k not in LAUNCH_OPTIONS}
     pointers = [name for name, a in zip(kernel.arg_names, args) if not isinstance(a, int)]
     source = ASTSource(
@@ -251,6 +261,8 @@ def main() -> int:
     for ((levels, points, head_dim), dtype, index_64, index, softmax), is_timed in [(c, False) for c in cases] + [
         (c, True) for c in timed
     ]:
+        # The preset's kernels once more with their integer arguments as constants (see above).
+        constant_ints = (levels, points, head_dim) == QUICK_SHAPES[0] and not index_64 and not is_timed
         calls = kernel_calls(levels, points, head_dim, dtype, index_64, index, softmax, fixed_point=not is_timed)
         for kernel, args, constexprs in calls:
             what = (f"{kernel.__name__} {dtype} L={levels} K={points} D={head_dim} int64={index_64} shapes={index}"
@@ -266,6 +278,10 @@ def main() -> int:
                 written = written_arguments(kernel, args, constexprs)
                 if written != outputs(kernel, constexprs, softmax):
                     raise AssertionError(f"torch.compile believes it writes {written}")
+                if constant_ints:
+                    what += " integer arguments as constants"
+                    checked += 1
+                    compile_for_hopper(kernel, args, constexprs, constant_ints=True)
             except Exception as error:  # report every failing case, not just the first
                 failures += 1
                 first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
