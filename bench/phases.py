@@ -1,12 +1,13 @@
 """Where the backward's device time goes, kernel by kernel, in the default and deterministic modes.
 
     python -m bench.phases [--presets decoder encoder] [--dtypes float32 float16 bfloat16]
-                           [--dists uniform] [--calls 10]
+                           [--dists uniform] [--calls 10] [--each]
 
 For each cell: `torch.ops.msda.backward` called a few times to warm up, then `--calls` times under
 torch.profiler; each CUDA kernel's device time per call, summed by name, largest first, and the
 total (the bench's profiler column measures the same total), with
-torch.use_deterministic_algorithms off and on. The deterministic mode's kernels
+torch.use_deterministic_algorithms off and on. --each lists every launch of a call instead, in
+launch order (the median over the calls): the lists kernel's count and fill passes apart. The deterministic mode's kernels
 (kernels/deterministic.py) and PyTorch's small ones around them (the counters' zeroing, the
 cumulative sum, the fixed-point scale) show up by name. bench/NOTES.md entry 37 read these.
 """
@@ -14,6 +15,7 @@ cumulative sum, the fixed-point scale) show up by name. bench/NOTES.md entry 37 
 from __future__ import annotations
 
 import argparse
+import statistics
 from collections import defaultdict
 
 import torch
@@ -26,18 +28,34 @@ from .timing import warm_up
 from .variants import DISTS, DTYPES
 
 
-def kernel_times(call, calls: int) -> dict[str, float]:
-    """Device time per call (us) of each CUDA kernel `call` launches, by kernel name."""
+def kernel_times(call, calls: int, each: bool = False) -> list[tuple[str, float]]:
+    """Device time per call (us) of each CUDA kernel `call` launches: by kernel name, largest
+    first; each: every launch of a call in launch order, the median over the calls."""
     warm_up(call)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             call()
         torch.cuda.synchronize()
+    kernels = [(e.name, e.device_time) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return per_launch(kernels, calls) if each else by_name(kernels, calls)
+
+
+def by_name(kernels: list[tuple[str, float]], calls: int) -> list[tuple[str, float]]:
+    """(name, us a call) of the (name, us) launches of `calls` calls, summed by name, largest first."""
     times: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            times[event.name] += event.device_time / calls
-    return dict(times)
+    for name, us in kernels:
+        times[name] += us / calls
+    return sorted(times.items(), key=lambda item: -item[1])
+
+
+def per_launch(kernels: list[tuple[str, float]], calls: int) -> list[tuple[str, float]]:
+    """(name, us) of each launch of a call, in order, the median over `calls` calls that each
+    made the same launches."""
+    launches = len(kernels) // calls
+    names = [name for name, _ in kernels[:launches]]
+    if launches * calls != len(kernels) or any(kernels[i][0] != names[i % launches] for i in range(len(kernels))):
+        raise RuntimeError(f"{len(kernels)} kernels in {calls} calls: not the same launches each call")
+    return [(names[i], statistics.median(kernels[i + k * launches][1] for k in range(calls))) for i in range(launches)]
 
 
 def main() -> None:
@@ -47,6 +65,7 @@ def main() -> None:
     parser.add_argument("--dists", nargs="+", default=["uniform"], choices=DISTS)
     parser.add_argument("--calls", type=int, default=10, help="profiled calls a cell and mode")
     parser.add_argument("--smallest", type=float, default=0.5, help="hide kernels under this many us a call")
+    parser.add_argument("--each", action="store_true", help="every launch of a call, in order, not sums by name")
     opts = parser.parse_args()
 
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  (profiler device time, us a call)")
@@ -62,9 +81,11 @@ def main() -> None:
                     grad = grad.to(dtype)
                     for mode in ("default", "deterministic"):
                         torch.use_deterministic_algorithms(mode == "deterministic")
-                        times = kernel_times(lambda: torch.ops.msda.backward(grad, *inputs.args()), opts.calls)
-                        print(f"== {preset} {dist} {dtype_name} {mode}: {sum(times.values()):.1f}", flush=True)
-                        for name, us in sorted(times.items(), key=lambda item: -item[1]):
+                        times = kernel_times(
+                            lambda: torch.ops.msda.backward(grad, *inputs.args()), opts.calls, opts.each
+                        )
+                        print(f"== {preset} {dist} {dtype_name} {mode}: {sum(us for _, us in times):.1f}", flush=True)
+                        for name, us in times:
                             if us >= opts.smallest:
                                 print(f"   {us:8.1f}  {name[:100]}")
                     del inputs, grad

@@ -17,6 +17,7 @@ from bench import model, schema, tables
 from bench import run as bench_run
 from bench.__main__ import config_from, parse_args
 from bench.merge import merge
+from bench.phases import by_name, per_launch
 from bench.timing import AGREEMENT, Timing, agree, device_events_us
 from bench.tune import _list_tile, _tiles
 from bench.variants import PRESETS, SMOKE, VARIANTS, Cell, _msda_autograd, _msda_op, _reference, grid_sample_msda
@@ -303,3 +304,15 @@ def test_tune_list_tiles():
     for bad in ("4", "4,x", "0,2", "1,2,3,4,5"):
         with pytest.raises(argparse.ArgumentTypeError, match=bad):
             _list_tile(bad)
+
+
+def test_phases_sums_by_name_or_lists_each_launch():
+    """bench.phases: kernel times summed by name a call, or each launch of a call in order (the
+    median over the calls); calls that launched different kernels are refused."""
+    kernels = [("count", 2.0), ("fill", 5.0), ("count", 4.0), ("fill", 7.0), ("count", 3.0), ("fill", 6.0)]
+    assert by_name(kernels, 3) == [("fill", 6.0), ("count", 3.0)]
+    assert per_launch(kernels, 3) == [("count", 3.0), ("fill", 6.0)]
+    with pytest.raises(RuntimeError, match="not the same launches"):
+        per_launch(kernels[:5], 3)
+    with pytest.raises(RuntimeError, match="not the same launches"):
+        per_launch([("count", 1.0), ("fill", 1.0), ("fill", 1.0), ("count", 1.0)], 2)
