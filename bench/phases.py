@@ -6,10 +6,11 @@
 For each cell: `torch.ops.msda.backward` called a few times to warm up, then `--calls` times under
 torch.profiler; each CUDA kernel's device time per call, summed by name, largest first, and the
 total (the bench's profiler column measures the same total), with
-torch.use_deterministic_algorithms off and on. --each lists every launch of a call instead, in
-launch order (the median over the calls): the lists kernel's count and fill passes apart. The deterministic mode's kernels
+torch.use_deterministic_algorithms off and on. The deterministic mode's kernels
 (kernels/deterministic.py) and PyTorch's small ones around them (the counters' zeroing, the
-cumulative sum, the fixed-point scale) show up by name. bench/NOTES.md entry 37 read these.
+cumulative sum) show up by name. --each lists every launch of a call instead, in launch order
+(the median over the calls): the lists kernel's count and fill passes apart. bench/NOTES.md
+entries 37 and 38 read these.
 """
 
 from __future__ import annotations

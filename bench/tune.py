@@ -16,9 +16,10 @@ variant's output checked against the float64 reference in the same run, and the 
 beside it when importable. bench/NOTES.md logs what the sweeps chose.
 
 --lists times the deterministic mode's backward (kernels/deterministic.py) at each gather tile
-ROWS,ENTRIES[,COUNT_STRIDE[,WARPS]] (launch.LIST_ROWS, launch.LIST_ENTRIES, launch.LIST_COUNT_STRIDE,
-launch.LIST_WARPS: a gather program's warps; the rule's stride and warps where not given), against the default atomic backward and the 64-bit atomic
-fixed-point path it replaces, each checked against the float64 reference.
+ROWS,ENTRIES[,COUNT_STRIDE[,WARPS]] (launch.LIST_ROWS, launch.LIST_ENTRIES,
+launch.LIST_COUNT_STRIDE, launch.LIST_WARPS: a gather program's warps; the rule's stride and
+warps where not given), against the default atomic backward and the 64-bit atomic fixed-point
+path it replaces, each checked against the float64 reference.
 
 --ncu launches each variant once between cudaProfilerStart and cudaProfilerStop instead of
 timing it, for Nsight Compute's counters (bench/NOTES.md entry 26 read these):

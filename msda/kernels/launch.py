@@ -548,7 +548,9 @@ def deterministic_grad_value(
 SCALE_BLOCK = 4096  # elements of grad_output and of the weights a program of `msda_fixed_point_scale_kernel`
 
 
-def fixed_point_scales(launch, grad_output: Tensor, attention_weights: Tensor, samples_per_row, maxima: Tensor) -> Tensor:
+def fixed_point_scales(
+    launch, grad_output: Tensor, attention_weights: Tensor, samples_per_row, maxima: Tensor
+) -> Tensor:
     """float32 (2,): `backward.fixed_point_scale`'s 2**e and 2**-e, by one launch of
     `msda_fixed_point_scale_kernel` through `launch`; maxima: int32 (3,) zeros for it."""
     scales = torch.empty((2,), dtype=torch.float32, device=grad_output.device)
