@@ -105,12 +105,17 @@ def deterministic_launch(inputs, grad_output, tile: tuple[int, ...] | None):
     scale = fixed_point_scale(grad_output, attn, Q * L * K)
     grads = [None, torch.empty_like(loc), torch.empty_like(attn)]
     fixed = torch.zeros(value.shape, dtype=torch.int64, device=value.device) if tile is None else None
+    if tile is not None:  # the tile's counter spacing for the backward kernel's counts too
+        launch.LIST_ROWS, launch.LIST_ENTRIES, launch.LIST_COUNT_STRIDE, launch.LIST_WARPS = (*tile, None, None)[:4]
+    counters = None if tile is None else launch.list_counters(value, Q)
     grid, args, constexprs = launch.backward_call(grad_output, value, shapes, starts, loc, attn, fixed, *grads[1:],
-                                                  fixed_point_scale=scale)  # fmt: skip
+                                                  fixed_point_scale=scale, list_counters=counters)  # fmt: skip
 
     def run():
         if tile is None:
             fixed.zero_()
+        else:  # as the operator allocates them: zeros each call
+            counters.zero_()
         msda_backward_kernel[grid](*args, **constexprs)
         if tile is None:
             grads[0] = from_fixed_point(fixed, scale, value.dtype)
@@ -118,7 +123,7 @@ def deterministic_launch(inputs, grad_output, tile: tuple[int, ...] | None):
         launch.LIST_ROWS, launch.LIST_ENTRIES, launch.LIST_COUNT_STRIDE, launch.LIST_WARPS = (*tile, None, None)[:4]
         grads[0] = launch.deterministic_grad_value(
             lambda kernel, grid, args, constexprs: kernel[grid](*args, **constexprs),
-            grad_output, value, shapes, starts, loc, attn,
+            counters, grad_output, value, shapes, starts, loc, attn,
         )  # fmt: skip
 
     return run, grads

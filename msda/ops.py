@@ -164,6 +164,8 @@ def _launch_backward(
     # Every element of these two is written by exactly one program: no zeroing needed.
     grad_loc = launch.empty_written_whole(sampling_locations.shape, sampling_locations.dtype, value.device)
     grad_attn = launch.empty_written_whole(attention_weights.shape, attention_weights.dtype, value.device)
+    # The deterministic mode's lists are counted by the backward kernel (kernels/deterministic.py).
+    counters = launch.list_counters(value, Q) if grad_value is None else None
     # With softmax the kernel keeps the gradient of the weights here between its level loop and
     # its softmax pass. A buffer of its own (the eager fast path reuses grad_attn where the dtypes
     # allow): two written arguments that alias could keep torch.compile from reinplacing either.
@@ -189,6 +191,7 @@ def _launch_backward(
             scratch=scratch,
             fixed_point_scale=fixed_point_scale,
             replicas=replicas,
+            list_counters=counters,
         )
         with _on_device(value.device):
             kernel, kwargs = launch.traceable(msda_backward_kernel, constexprs)
@@ -201,7 +204,7 @@ def _launch_backward(
             return torch.zeros_like(value), grad_loc, grad_attn
         with _on_device(value.device):
             grad_value = launch.deterministic_grad_value(
-                _traceable_launch, grad_output, value, spatial_shapes, level_start_index, sampling_locations,
+                _traceable_launch, counters, grad_output, value, spatial_shapes, level_start_index, sampling_locations,
                 attention_weights,
             )  # fmt: skip
         return grad_value, grad_loc, grad_attn

@@ -89,7 +89,7 @@ OUTPUTS = {("msda_forward_kernel", False): ["out_ptr"],
 
 def outputs(kernel, constexprs: dict, softmax: bool) -> list[str]:
     if kernel is msda_sample_lists_kernel:  # counting, then listing
-        return ["counts_ptr", "entries_ptr", "weights_ptr"] if constexprs["FILL"] else ["counts_ptr"]
+        return ["counts_ptr", "entries_ptr", "weights_ptr"]
     if kernel is msda_gather_grad_value_kernel:
         return ["grad_value_ptr"]
     if kernel is msda_fixed_point_scale_kernel:
@@ -97,6 +97,8 @@ def outputs(kernel, constexprs: dict, softmax: bool) -> list[str]:
     written = OUTPUTS[kernel.__name__, softmax] + (["replica_ptr"] if constexprs.get("REPLICAS") else [])
     if constexprs.get("GRAD_VALUE") is False:  # the deterministic mode's lists sum grad_value
         written.remove("grad_value_ptr")
+    if constexprs.get("COUNT_STRIDE"):  # and the backward counts their samples
+        written.append("list_counts_ptr")
     return sorted(written)
 
 
@@ -155,12 +157,14 @@ def kernel_calls(
                 fixed_point_scale=torch.ones(1),
             )[1:]))  # fmt: skip
             if not softmax:  # the deterministic mode's lists: the backward without grad_value, and their kernels
+                counters = launch.list_counters(value, Q)
                 calls.append((msda_backward_kernel, *launch.backward_call(
                     out, value, shapes, starts, loc, attn, None, torch.zeros_like(loc), torch.zeros_like(attn),
+                    list_counters=counters,
                 )[1:]))  # fmt: skip
                 launch.deterministic_grad_value(
                     lambda kernel, grid, args, constexprs: calls.append((kernel, args, constexprs)),
-                    out, value, shapes, starts, loc, attn,
+                    counters, out, value, shapes, starts, loc, attn,
                 )
     finally:
         launch.needs_int64, launch.register_target = needs_int64, register_target

@@ -123,14 +123,16 @@ def test_fixed_point_scale_kernel_gives_the_pytorch_scale(largest, dtype):
 
 
 @pytest.mark.parametrize(
-    "dtype, rows, entries, warps, queries",
-    [(torch.float32, None, None, None, 7), (torch.float16, None, None, None, 7), (torch.float32, None, None, None, 17),
-     (torch.float16, None, None, None, 17), (torch.float32, 1, 2, None, 7), (torch.float16, 16, 4, 1, 7)],
+    "dtype, rows, entries, warps, queries, head_dim",
+    [(torch.float32, None, None, None, 7, 6), (torch.float16, None, None, None, 7, 6),
+     (torch.float32, None, None, None, 17, 6), (torch.float16, None, None, None, 17, 6),
+     (torch.float32, 1, 2, None, 7, 6), (torch.float16, 16, 4, 1, 7, 6), (torch.float16, None, None, None, 17, 8)],
     ids=["float32-rule", "float16-rule", "float32-rule-encoder", "float16-rule-encoder", "float32-1x2",
-         "float16-16x4-one-warp"],
+         "float16-16x4-one-warp", "float16-rule-encoder-aligned-rows"],
 )  # fmt: skip
 @interpreted
-def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, dtype, rows, entries, warps, queries):
+def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, dtype, rows, entries, warps, queries,
+                                                           head_dim):  # fmt: skip
     """grad_value summed from the lists of samples equals, bit for bit, the backward kernel's 64-bit
     atomic adds of the same fixed-point contributions (the path the fused-softmax kernels keep),
     with samples outside the levels and straddling their borders, and a level of one pixel; at
@@ -140,7 +142,7 @@ def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, dtype, r
         monkeypatch.setattr(launch, "LIST_ROWS", rows)
         monkeypatch.setattr(launch, "LIST_ENTRIES", entries)
         monkeypatch.setattr(launch, "LIST_WARPS", warps)
-    shape = Shape(2, queries, 2, 6, ((3, 4), (2, 2), (1, 1)), 3)
+    shape = Shape(2, queries, 2, head_dim, ((3, 4), (2, 2), (1, 1)), 3)
     assert launch.every_pixel_a_query(queries, shape.num_values) == (queries == 17)
     inputs = make_inputs(shape, dtype, outside_fraction=0.25, seed=8)
     grad_output = random_like_output(inputs)
@@ -152,16 +154,20 @@ def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, dtype, r
     backward_kernel.msda_backward_kernel[grid](*args, **constexprs)
     atomic = backward_kernel.from_fixed_point(grads[0], scale, dtype)
 
+    aligned = []  # the gather's hint that grad_output's rows start at multiples of 16 elements
+
     def run(kernel, grid, args, constexprs):
+        aligned.append(constexprs.get("ROWS_ALIGNED"))
         kernel[grid](*args, **constexprs)
 
     # grad_output's batches a query apart (a slice of a longer one): the gather's other addressing.
     padded = torch.cat([grad_output, grad_output[:, :1]], dim=1)[:, :-1]
     assert padded.stride(0) != padded.shape[1] * padded.stride(1) and torch.equal(padded, grad_output)
     for given, grad in ((starts, grad_output), (None, grad_output), (starts, padded)):  # level starts summed too
-        listed = launch.deterministic_grad_value(run, grad, value, shapes, given, loc, attn)
+        listed = _listed_grad_value(run, grad, value, shapes, given, loc, attn)
         assert listed.dtype == dtype and torch.equal(listed, atomic)
     assert atomic.abs().sum() > 0
+    assert aligned[-1] == (head_dim == 8)  # (the lists' kernel, then the gather: its flag last)
 
     # Level starts that make levels overlap (not checked on CUDA): a row then takes the corners
     # of every level holding it, as the atomics add them.
@@ -171,8 +177,21 @@ def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, dtype, r
                                                   fixed_point_scale=scale)  # fmt: skip
     backward_kernel.msda_backward_kernel[grid](*args, **constexprs)
     atomic = backward_kernel.from_fixed_point(grads[0], scale, dtype)
-    listed = launch.deterministic_grad_value(run, grad_output, value, shapes, overlapping, loc, attn)
+    listed = _listed_grad_value(run, grad_output, value, shapes, overlapping, loc, attn)
     assert torch.equal(listed, atomic) and atomic[:, 2:6].abs().sum() > 0
+
+
+def _listed_grad_value(run, grad_output, value, shapes, starts, loc, attn):
+    """The deterministic mode's grad_value as the operator makes it: the backward kernel without
+    grad_value counting the lists, then the lists' kernels (launched by `run`)."""
+    counters = launch.list_counters(value, loc.shape[1])
+    grads = [torch.empty_like(loc), torch.empty_like(attn)]
+    grid, args, constexprs = launch.backward_call(grad_output, value, shapes, starts, loc, attn, None, *grads,
+                                                  list_counters=counters)  # fmt: skip
+    backward_kernel.msda_backward_kernel[grid](*args, **constexprs)
+    listed = launch.deterministic_grad_value(run, counters, grad_output, value, shapes, starts, loc, attn)
+    assert not counters[:-3].any()  # the lists' pass took every count back down: each listed as counted
+    return listed
 
 
 def test_fill_skipped_only_inside_and_only_when_asked(deterministic_algorithms):

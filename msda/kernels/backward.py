@@ -28,6 +28,7 @@ def msda_backward_kernel(
     grad_loc_ptr,  # like loc
     grad_attn_ptr,  # like attn
     scratch_ptr,  # with SOFTMAX: (B, Q, M, L, K) in COMPUTE, may be grad_attn itself; else unused
+    list_counts_ptr,  # with COUNT_STRIDE: the deterministic mode's int32 list counters (zeros); else unused
     num_queries,
     num_values,
     replica_rows,
@@ -50,6 +51,7 @@ def msda_backward_kernel(
     LAST_BATCH_FIRST: tl.constexpr,  # programs take the batches in reverse order
     GRAD_VALUE: tl.constexpr,  # False: no grad_value (the deterministic mode's lists sum it: deterministic.py)
     VALUE_EVICTION: tl.constexpr,  # the value gathers' L2 eviction hint ("" or "evict_first")
+    COUNT_STRIDE: tl.constexpr,  # > 0: count each sample into its list, counters this many int32 apart
 ):
     # The forward's program layout and tile (msda/kernels/forward.py explains both).
     pid = tl.program_id(0)
@@ -170,6 +172,18 @@ def msda_backward_kernel(
             x0, y0, fx, fy, left, right, top, bottom = place_sample(x, y, h, w, usable, mask, COMPUTE)
             if not SOFTMAX:  # a softmax weight is finite or NaN already (sampling.softmax_stats)
                 attn = finite_or_nan(attn)
+            if COUNT_STRIDE > 0:
+                # The deterministic mode's lists (deterministic.py) count here, where the sample is
+                # placed anyway, as msda_sample_lists_kernel's FILL pass will list it: under its
+                # top-left corner's pixel, if its left or right corner is inside. (A pass of its
+                # own waited on its atomics: 96 us at the bfloat16 encoder, bench/NOTES.md entry 38.)
+                pixel = start + tl.maximum(y0, 0) * w + tl.maximum(x0, 0)
+                tl.atomic_add(
+                    list_counts_ptr + ((b * NUM_HEADS + m) * num_values + pixel) * COUNT_STRIDE,
+                    1,
+                    mask=left | right,
+                    sem="relaxed",
+                )
             corner = (level_row + (y0 * w + x0) * NUM_HEADS) * HEAD_DIM
             corner = corner[:, :, None, None] + channel
             below = corner + w * ROW

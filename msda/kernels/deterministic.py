@@ -5,17 +5,19 @@ Under torch.use_deterministic_algorithms(True) grad_value is summed in 64-bit fi
 PTX has no vector integer atomic: one 64-bit atomic a channel, four times the float32 path's
 instructions. Instead each value row gathers its own contributions from lists of samples:
 
-1. `msda_sample_lists_kernel` (COUNT) adds 1 to an int32 count per list for each sample that
+1. The backward kernel (COUNT_STRIDE) adds 1 to an int32 count per list for each sample that
    touches its level. A sample is listed once, under its top-left corner's row (batch, head,
    pixel; -1 coordinates, of samples straddling the top or left border, clamped to 0 and
    flagged in the entry's two low bits), so its four corners cost one count, not four. Integer
    adds: the counts are the same in any order. A cumulative sum (torch.cumsum) gives each
    list's end in one array of all lists.
-2. The same kernel (FILL) gives each sample a slot in its list, `end - atomic_add(count, -1)`,
-   and stores the sample's index times 4 plus the flags there; it also writes every corner's
-   bilinear weight times the attention weight (the backward kernel's arithmetic, bit for bit) to
-   a dense array at the sample's index times 4 plus the corner. The slots' order within a list
-   varies run to run.
+2. `msda_sample_lists_kernel` gives each sample a slot in its list, `end - atomic_add(count,
+   -1)`, and stores the sample's index times 4 plus the flags there; it also writes every
+   corner's bilinear weight times the attention weight (the backward kernel's arithmetic, bit
+   for bit) to a dense array at the sample's index times 4 plus the corner. The slots' order
+   within a list varies run to run. It places each sample as the backward kernel did when it
+   counted (sampling.place_sample, the same masks): one sample counted and not listed, or the
+   reverse, would put another's entry in the wrong list.
 3. `msda_gather_grad_value_kernel` takes ROWS rows (consecutive pixels of one head) a program.
    A row at (y, x) is the top-left corner of the samples listed under it, the top-right one of
    those under (y, x - 1), the bottom corners of those under (y - 1, x) and (y - 1, x - 1):
@@ -46,11 +48,11 @@ def msda_sample_lists_kernel(
     shapes_ptr,  # (L, 2)
     starts_ptr,  # (L,), read if LEVEL_STARTS
     loc_ptr,  # (B, Q, M, L, K, 2), contiguous
-    attn_ptr,  # with FILL: (B, Q, M, L, K), contiguous: the weights
-    counts_ptr,  # (B * M * S * COUNT_STRIDE,) int32: COUNT adds to zeros; FILL takes them back down to zeros
-    ends_ptr,  # with FILL: (B * M * S,) the cumulative sum of the counts (int32, or int64 if INDEX_64)
-    entries_ptr,  # with FILL: (B * Q * M * L * K,) int32 or int64: the lists
-    weights_ptr,  # with FILL: (B * Q * M * L * K * 4,) in COMPUTE: each corner's weight
+    attn_ptr,  # (B, Q, M, L, K), contiguous: the weights
+    counts_ptr,  # (B * M * S * COUNT_STRIDE,) int32: the backward kernel's counts, taken back down to zeros
+    ends_ptr,  # (B * M * S,) the cumulative sum of the counts (int32, or int64 if INDEX_64)
+    entries_ptr,  # (B * Q * M * L * K,) int32 or int64: the lists
+    weights_ptr,  # (B * Q * M * L * K * 4,) in COMPUTE: each corner's weight
     num_queries,
     num_values,
     NUM_HEADS: tl.constexpr,
@@ -61,7 +63,6 @@ def msda_sample_lists_kernel(
     COMPUTE: tl.constexpr,
     INDEX_64: tl.constexpr,
     LEVEL_STARTS: tl.constexpr,  # False: sum the level sizes
-    FILL: tl.constexpr,  # False: count the samples of each list; True: list them
     COUNT_STRIDE: tl.constexpr,  # counters this many int32 apart (launch.LIST_COUNT_STRIDE says why)
 ):
     pid = tl.program_id(0)
@@ -90,32 +91,27 @@ def msda_sample_lists_kernel(
         x0, y0, fx, fy, left, right, top, bottom = place_sample(
             x, y, h, w, level_ok(h, w, start, num_values), mask, COMPUTE
         )
-        if FILL:
-            # The backward kernel's products, in its order: the same bits.
-            attn = finite_or_nan(tl.load(attn_ptr + param, mask=mask, other=0.0).to(COMPUTE))
-            a_top = attn * (1.0 - fy)
-            a_bottom = attn * fy
-            # Dense, at each corner's index: coalesced stores here (written at the slots, beside
-            # the entries, the fill ran 12-19% longer and the gather 8% shorter on the H200).
-            # A sample's four in one thread: one 16-byte store, not four strided ones.
-            upper = tl.join(a_top * (1.0 - fx), a_top * fx)
-            lower = tl.join(a_bottom * (1.0 - fx), a_bottom * fx)
-            corners = tl.reshape(tl.join(upper, lower).permute(0, 1, 3, 2), [BLOCK_Q, BLOCK_K, 4])
-            corner = param[:, :, None] * 4 + tl.arange(0, 4)[None, None, :]
-            tl.store(weights_ptr + corner, corners, mask=mask[:, :, None])
+        # The backward kernel's products, in its order: the same bits.
+        attn = finite_or_nan(tl.load(attn_ptr + param, mask=mask, other=0.0).to(COMPUTE))
+        a_top = attn * (1.0 - fy)
+        a_bottom = attn * fy
+        # Dense, at each corner's index: coalesced stores here (written at the slots, beside
+        # the entries, the fill ran 12-19% longer and the gather 8% shorter on the H200).
+        # A sample's four in one thread: one 16-byte store, not four strided ones.
+        upper = tl.join(a_top * (1.0 - fx), a_top * fx)
+        lower = tl.join(a_bottom * (1.0 - fx), a_bottom * fx)
+        corners = tl.reshape(tl.join(upper, lower).permute(0, 1, 3, 2), [BLOCK_Q, BLOCK_K, 4])
+        corner = param[:, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+        tl.store(weights_ptr + corner, corners, mask=mask[:, :, None])
         # A sample touching the level has x0 in [-1, w - 1] and y0 in [-1, h - 1] (place_sample):
-        # then its left or its right corner is inside.
+        # then its left or its right corner is inside. The backward kernel counted it so.
         listed = left | right
         pixel = start + tl.maximum(y0, 0) * w + tl.maximum(x0, 0)
-        counter = (first_list + pixel) * COUNT_STRIDE
-        if FILL:
-            remaining = tl.atomic_add(counts_ptr + counter, -1, mask=listed, sem="relaxed")
-            slot = tl.load(ends_ptr + first_list + pixel, mask=listed, other=0) - remaining
-            flags = tl.where(x0 < 0, CLAMPED_X, 0) + tl.where(y0 < 0, CLAMPED_Y, 0)
-            entry = param * 4 + flags
-            tl.store(entries_ptr + slot, entry.to(entries_ptr.dtype.element_ty), mask=listed)
-        else:
-            tl.atomic_add(counts_ptr + counter, 1, mask=listed, sem="relaxed")
+        remaining = tl.atomic_add(counts_ptr + (first_list + pixel) * COUNT_STRIDE, -1, mask=listed, sem="relaxed")
+        slot = tl.load(ends_ptr + first_list + pixel, mask=listed, other=0) - remaining
+        flags = tl.where(x0 < 0, CLAMPED_X, 0) + tl.where(y0 < 0, CLAMPED_Y, 0)
+        entry = param * 4 + flags
+        tl.store(entries_ptr + slot, entry.to(entries_ptr.dtype.element_ty), mask=listed)
         if not LEVEL_STARTS:
             start += h * w
 
@@ -148,6 +144,7 @@ def msda_gather_grad_value_kernel(
     LEVEL_STARTS: tl.constexpr,  # False: sum the level sizes
     BATCHES_FOLLOW: tl.constexpr,  # grad_out_stride_b == num_queries * grad_out_stride_q: no division
     BLOCK_L: tl.constexpr,  # NUM_LEVELS's next power of two
+    ROWS_ALIGNED: tl.constexpr,  # grad_out's rows start at multiples of 16 elements (both strides are)
 ):
     pid = tl.program_id(0)
     if INDEX_64:
@@ -201,11 +198,11 @@ def msda_gather_grad_value_kernel(
                     total = _add_entry(total, first0 + done + e, mid0, end0, 0, level, grad_out_ptr,
                                        grad_out_stride_b, grad_out_stride_q, entries_ptr, weights_ptr, head_channel,
                                        d_ok, scale, num_queries, NUM_HEADS, NUM_LEVELS, NUM_POINTS,
-                                       BATCHES_FOLLOW)  # fmt: skip
+                                       BATCHES_FOLLOW, ROWS_ALIGNED)  # fmt: skip
                     total = _add_entry(total, first1 + done + e, mid1, end1, 1, level, grad_out_ptr,
                                        grad_out_stride_b, grad_out_stride_q, entries_ptr, weights_ptr, head_channel,
                                        d_ok, scale, num_queries, NUM_HEADS, NUM_LEVELS, NUM_POINTS,
-                                       BATCHES_FOLLOW)  # fmt: skip
+                                       BATCHES_FOLLOW, ROWS_ALIGNED)  # fmt: skip
                 done += ENTRIES
     # backward.from_fixed_point's conversion: the integer rounded once to float32, times 2**-e.
     grad = total.to(tl.float32) * tl.load(scales_ptr + 1)
@@ -231,7 +228,7 @@ def _run(ends_ptr, top_left, x, ok):
 def _add_entry(
     total, index, mid, end, dy_listed, level, grad_out_ptr, grad_out_stride_b, grad_out_stride_q, entries_ptr,
     weights_ptr, head_channel, d_ok, scale, num_queries, NUM_HEADS: tl.constexpr, NUM_LEVELS: tl.constexpr,
-    NUM_POINTS: tl.constexpr, BATCHES_FOLLOW: tl.constexpr,
+    NUM_POINTS: tl.constexpr, BATCHES_FOLLOW: tl.constexpr, ROWS_ALIGNED: tl.constexpr,
 ):  # fmt: skip
     """total plus, for each row, the fixed-point contribution of entry `index` of its run (none
     past `end`), a sample of `level` listed dy_listed image rows above the row's."""
@@ -242,14 +239,24 @@ def _add_entry(
     # role, where no flag meets the role's bit (else the row is past the sample's corners).
     role = tl.where(index < mid, 1, 0) + 2 * dy_listed
     LK: tl.constexpr = NUM_LEVELS * NUM_POINTS
-    use = ok & ((entry & role) == 0) & ((entry >> 2) % LK // NUM_POINTS == level)
+    # The entry's fields, unsigned: a signed division or remainder, even by a power of two, costs
+    # its sign corrections, and every one of a row's threads computes them.
+    if entries_ptr.dtype.element_ty == tl.int64:
+        code = entry.to(tl.uint64, bitcast=True)
+    else:
+        code = entry.to(tl.uint32, bitcast=True)
+    use = ok & ((entry & role) == 0) & ((code >> 2) % LK // NUM_POINTS == level)
     weight = tl.load(weights_ptr + entry + role, mask=use, other=0.0)
-    query = entry // (4 * NUM_HEADS * LK)  # batch * num_queries + q
+    query = (code // (4 * NUM_HEADS * LK)).to(entry.dtype)  # batch * num_queries + q
     if BATCHES_FOLLOW:  # grad_out's batch stride is num_queries query strides
         row = query * grad_out_stride_q
     else:
         batch = query // num_queries
         row = batch * grad_out_stride_b + (query - batch * num_queries) * grad_out_stride_q
+    if ROWS_ALIGNED:
+        # The strides are not specialized (they vary with the image): without this hint every
+        # channel is a load of its own (a 2-byte load a bfloat16 channel), not one vector a thread.
+        row = tl.multiple_of(row, 16)
     grad_out = tl.load(grad_out_ptr + row[:, None] + head_channel, mask=use[:, None] & d_ok, other=0.0)
     # The backward kernel's fixed point: round-toward-zero(weight * grad_out * scale).
     return total + (weight[:, None] * grad_out.to(weight.dtype) * scale).to(tl.int64)

@@ -307,6 +307,7 @@ def backward_call(
     scratch: Tensor | None = None,
     fixed_point_scale: Tensor | None = None,
     replicas: Tensor | None = None,
+    list_counters: Tensor | None = None,
 ) -> tuple[tuple[int], tuple, dict]:
     """(grid, positional arguments, constexpr arguments) of msda_backward_kernel; grad_output's
     channels must be contiguous (its other strides may be anything, 0 included), the other
@@ -323,7 +324,8 @@ def backward_call(
     levels are summed into besides grad_value; `fold_call`'s kernel then adds them to grad_value.
 
     grad_value None: the kernel computes the other two gradients alone (the deterministic mode's
-    `deterministic_grad_value` sums grad_value)."""
+    `deterministic_grad_value` sums grad_value); with `list_counters` (`list_counters`' zeros) it
+    also counts the samples of that mode's lists into them."""
     B, S, M, D = value.shape
     _, Q, _, L, K, _ = sampling_locations.shape
     L, K, M, D = int(L), int(K), int(M), int(D)
@@ -335,7 +337,7 @@ def backward_call(
         NUM_LEVELS=L,
         NUM_POINTS=K,
         COMPUTE=compute_dtype(value, sampling_locations, attention_weights),
-        INDEX_64=needs_int64(value, sampling_locations, grad_output),
+        INDEX_64=needs_int64(value, sampling_locations, grad_output, *([] if list_counters is None else [list_counters])),
         LEVEL_STARTS=level_start_index is not None,
         SOFTMAX=softmax,
         FIXED_POINT=fixed_point_scale is not None and grad_value is not None,
@@ -346,6 +348,7 @@ def backward_call(
         LAST_BATCH_FIRST=grad_value is not None and grad_value.element_size() >= 4,
         GRAD_VALUE=grad_value is not None,
         VALUE_EVICTION="evict_first" if grad_value is not None and value_rows_evicted_first(grad_value, Q, S) else "",
+        COUNT_STRIDE=0 if list_counters is None else list_rule(Q, S, value).count_stride,
     )
     constexprs["PREFETCH"] = bool(config.prefetch) and constexprs["UNROLL"] == 1
     if softmax and scratch is None:
@@ -368,6 +371,7 @@ def backward_call(
         # Unused without softmax: an input then, never an output (two outputs that alias would
         # trouble torch.compile's reinplacing of the kernel's writes).
         scratch if softmax else attention_weights,
+        spatial_shapes if list_counters is None else list_counters,  # unwritten if None
         Q,
         S,
         0 if replicas is None else replicas.shape[1],
@@ -451,12 +455,13 @@ def list_rule(num_queries, num_values, value: Tensor) -> ListRule:
     """The deterministic mode's lists, from the H200's sweeps (bench/NOTES.md entries 37 and 38,
     graph replay us):
 
-    - encoders: 4 rows a program, one warp in float32, 2 entries a run (4 loads in flight a row):
-      float32 1478 against 1681-2659 for 2 or 8 rows, 1 or 4 entries, 2 to 4 warps (entry 38),
-      bfloat16 1329 against 1530-2638;
+    - encoders: 4 rows a program on one warp, 2 entries a run in float32 (4 loads in flight a
+      row), 4 in half precision: float32 1388 against 1393 at 4 entries and 2066 at 8 rows,
+      bfloat16 1083 against 1128 at 2 entries and 1490 at 8 rows, float16 1060 against 1116
+      (entry 39; 2 to 4 warps lost by 15-80% in entry 38);
     - decoders: 32 rows a program in one warp, 1 entry a run: their lists are short and mostly
-      empty, so a program is mostly fixed cost, spread over more rows: float32 154 against 176 at
-      4 rows, bfloat16 142 against 144 at 8 rows (entry 38);
+      empty, so a program is mostly fixed cost, spread over more rows: float32 119 against 140 at
+      16 rows and 143 at 2 entries, bfloat16 109 against 112 and 115 (entry 39);
     - the counters of an encoder 32 bytes apart, a sector each: its coarse levels' pixels each take
       about 330 samples of a head, spread over more L2 slices (float32 encoder 1548 against 1693
       packed); a decoder's packed (178 against 189 us: less to zero, and few collide)."""
@@ -464,14 +469,24 @@ def list_rule(num_queries, num_values, value: Tensor) -> ListRule:
     rows = LIST_ROWS or (4 if encoder else 32)
     return ListRule(
         rows,
-        LIST_ENTRIES or (2 if encoder else 1),
+        LIST_ENTRIES or ((4 if value.element_size() == 2 else 2) if encoder else 1),
         LIST_COUNT_STRIDE or (8 if encoder else 1),
         LIST_WARPS or (_gather_warps(rows, value.shape[-1], value) if encoder else 1),
     )
 
 
+def list_counters(value: Tensor, num_queries: int) -> Tensor:
+    """int32 zeros for the deterministic mode: its lists' counters (`list_rule`'s spacing), which
+    the backward kernel counts into (`backward_call`), then the fixed-point scale's two maxima
+    and ticket (`fixed_point_scales`): one zeroing for both."""
+    B, S, M, _ = value.shape
+    rule = list_rule(num_queries, S, value)
+    return torch.zeros((B * M * S * rule.count_stride + 3,), dtype=torch.int32, device=value.device)
+
+
 def deterministic_grad_value(
     launch,
+    counters: Tensor,
     grad_output: Tensor,
     value: Tensor,
     spatial_shapes: Tensor,
@@ -481,7 +496,8 @@ def deterministic_grad_value(
 ) -> Tensor:
     """The deterministic mode's grad_value by kernels/deterministic.py's launches, each made by
     `launch(kernel, grid, args, constexprs)` (the operator's through wrap_triton, the eager path's
-    directly); tensors as for `backward_call`, the weights not logits. The fixed-point scale is
+    directly); tensors as for `backward_call`, the weights not logits; `counters` as the backward
+    kernel left them, with every list counted (`list_counters`). The fixed-point scale is
     `backward.fixed_point_scale`'s, computed by a kernel of its own."""
     B, S, M, D = value.shape
     _, Q, _, L, K, _ = sampling_locations.shape
@@ -492,8 +508,6 @@ def deterministic_grad_value(
     compute = compute_dtype(value, sampling_locations, attention_weights)
     num_lists = B * M * S  # one a pixel of each batch and head
     rule = list_rule(Q, S, value)
-    # The counters, then the fixed-point scale's two maxima and ticket: one zeroing.
-    counters = torch.zeros((num_lists * rule.count_stride + 3,), dtype=torch.int32, device=device)
     counts, maxima = counters[:-3], counters[-3:]
     index_dtype = torch.int64 if index_64 else torch.int32
     with fill_skipped():  # each written before it is read (the NaN fill would cost a pass each)
@@ -516,14 +530,10 @@ def deterministic_grad_value(
         num_warps=max(1, min(8, LIST_QUERIES * _next_power_of_2(K) // 32)),
     )
     grid = (_cdiv(Q, LIST_QUERIES) * B * M,)
-    # Unread placeholders (spatial_shapes) where the counting pass has no lists yet.
-    unread = spatial_shapes
-    launch(msda_sample_lists_kernel, grid, (spatial_shapes, starts, sampling_locations, unread, counts, unread,
-                                            unread, unread, Q, S), {**lists, "FILL": False})  # fmt: skip
     # Slots as int32 where every index fits: cheaper index arithmetic in the gather.
     ends = counts[:: rule.count_stride].cumsum(0, dtype=index_dtype)
     launch(msda_sample_lists_kernel, grid, (spatial_shapes, starts, sampling_locations, attention_weights, counts,
-                                            ends, entries, weights, Q, S), {**lists, "FILL": True})  # fmt: skip
+                                            ends, entries, weights, Q, S), lists)  # fmt: skip
     gather = dict(
         NUM_HEADS=M,
         HEAD_DIM=D,
@@ -536,6 +546,7 @@ def deterministic_grad_value(
         LEVEL_STARTS=level_start_index is not None,
         BATCHES_FOLLOW=grad_output.stride(0) == Q * grad_output.stride(1),
         BLOCK_L=_next_power_of_2(L),
+        ROWS_ALIGNED=grad_output.stride(0) % 16 == 0 and grad_output.stride(1) % 16 == 0,
         num_warps=rule.warps,
     )
     args = (grad_output, grad_output.stride(0), grad_output.stride(1), spatial_shapes, starts, ends, entries, weights,
