@@ -16,10 +16,11 @@ variant's output checked against the float64 reference in the same run, and the 
 beside it when importable. bench/NOTES.md logs what the sweeps chose.
 
 --lists times the deterministic mode's backward (kernels/deterministic.py) at each gather tile
-ROWS,ENTRIES[,COUNT_STRIDE[,WARPS]] (launch.LIST_ROWS, launch.LIST_ENTRIES,
-launch.LIST_COUNT_STRIDE, launch.LIST_WARPS: a gather program's warps; the rule's stride and
-warps where not given), against the default atomic backward and the 64-bit atomic fixed-point
-path it replaces, each checked against the float64 reference.
+ROWS,ENTRIES[,COUNT_STRIDE[,WARPS[,PREFETCH]]] (launch.LIST_ROWS, launch.LIST_ENTRIES,
+launch.LIST_COUNT_STRIDE, launch.LIST_WARPS: a gather program's warps, launch.LIST_PREFETCH: 1 to
+load each step's entries a step ahead, ENTRIES 1 only; the rule's where not given), against the
+default atomic backward and the 64-bit atomic fixed-point path it replaces, each checked against
+the float64 reference.
 
 --ncu launches each variant once between cudaProfilerStart and cudaProfilerStop instead of
 timing it, for Nsight Compute's counters (bench/NOTES.md entry 26 read these):
@@ -96,6 +97,13 @@ def backward_launch(inputs, grad_output, tile: launch.TileConfig, accumulator: t
     return run, grads
 
 
+def _set_list_overrides(tile: tuple[int, ...]) -> None:
+    """launch.LIST_* from a --lists tile; the rule's where the tile stops short."""
+    (launch.LIST_ROWS, launch.LIST_ENTRIES, launch.LIST_COUNT_STRIDE, launch.LIST_WARPS,
+     prefetch) = (*tile, None, None, None)[:5]  # fmt: skip
+    launch.LIST_PREFETCH = None if prefetch is None else bool(prefetch)
+
+
 def deterministic_launch(inputs, grad_output, tile: tuple[int, ...] | None):
     """(a callable running the deterministic mode's backward, the three gradients it last gave):
     tile (rows, entries[, count stride[, warps]]): the lists at that gather tile; None: the 64-bit atomic
@@ -106,7 +114,7 @@ def deterministic_launch(inputs, grad_output, tile: tuple[int, ...] | None):
     grads = [None, torch.empty_like(loc), torch.empty_like(attn)]
     fixed = torch.zeros(value.shape, dtype=torch.int64, device=value.device) if tile is None else None
     if tile is not None:  # the tile's counter spacing for the backward kernel's counts too
-        launch.LIST_ROWS, launch.LIST_ENTRIES, launch.LIST_COUNT_STRIDE, launch.LIST_WARPS = (*tile, None, None)[:4]
+        _set_list_overrides(tile)
     counters = None if tile is None else launch.list_counters(value, Q)
     grid, args, constexprs = launch.backward_call(grad_output, value, shapes, starts, loc, attn, fixed, *grads[1:],
                                                   fixed_point_scale=scale, list_counters=counters)  # fmt: skip
@@ -120,7 +128,7 @@ def deterministic_launch(inputs, grad_output, tile: tuple[int, ...] | None):
         if tile is None:
             grads[0] = from_fixed_point(fixed, scale, value.dtype)
             return
-        launch.LIST_ROWS, launch.LIST_ENTRIES, launch.LIST_COUNT_STRIDE, launch.LIST_WARPS = (*tile, None, None)[:4]
+        _set_list_overrides(tile)
         grads[0] = launch.deterministic_grad_value(
             lambda kernel, grid, args, constexprs: kernel[grid](*args, **constexprs),
             counters, grad_output, value, shapes, starts, loc, attn,
@@ -174,8 +182,8 @@ def _list_tile(text: str) -> tuple[int, ...]:
         tile = tuple(int(n) for n in text.split(","))
     except ValueError:
         tile = ()
-    if len(tile) not in (2, 3, 4) or min(tile) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected ROWS,ENTRIES[,COUNT_STRIDE[,WARPS]]")
+    if len(tile) not in (2, 3, 4, 5) or min(tile[:4]) < 1 or tile[4:] not in ((), (0,), (1,)):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ROWS,ENTRIES[,COUNT_STRIDE[,WARPS[,PREFETCH 0|1]]]")
     return tile
 
 
@@ -191,7 +199,8 @@ def main() -> None:
     parser.add_argument("--kernels", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     parser.add_argument("--forward", nargs="+", type=_tiles, default=FORWARD_SWEEP, metavar="Q,G,T[,...]")
     parser.add_argument("--backward", nargs="+", type=_tiles, default=BACKWARD_SWEEP, metavar="Q,G,T")
-    parser.add_argument("--lists", nargs="+", type=_list_tile, default=[], metavar="ROWS,ENTRIES[,STRIDE[,WARPS]]",
+    parser.add_argument("--lists", nargs="+", type=_list_tile, default=[],
+                        metavar="ROWS,ENTRIES[,STRIDE[,WARPS[,PREFETCH]]]",
                         help="time the deterministic backward at these gather tiles")  # fmt: skip
     parser.add_argument("--ncu", action="store_true", help="launch each variant once for ncu, time nothing")
     parser.add_argument("--float32-params", action="store_true",
@@ -243,7 +252,8 @@ def main() -> None:
                     expected = reference_with_grads(inputs, grad)[1:]
                     run, _ = backward_launch(inputs, grad, launch.backward_config(4, 4, D, dtype))
                     line = [f"atomic: {graph_device_time(run, calls=10, replays=5).median_us:.1f}"]
-                    overrides = launch.LIST_ROWS, launch.LIST_ENTRIES, launch.LIST_COUNT_STRIDE, launch.LIST_WARPS
+                    overrides = (launch.LIST_ROWS, launch.LIST_ENTRIES, launch.LIST_COUNT_STRIDE, launch.LIST_WARPS,
+                                 launch.LIST_PREFETCH)  # fmt: skip
                     for tile in [None, *opts.lists]:
                         run, grads = deterministic_launch(inputs, grad, tile)
                         t = graph_device_time(run, calls=10, replays=5)
@@ -251,7 +261,8 @@ def main() -> None:
                         worst = max(relative_error(g, r) for g, r in zip(grads, expected))
                         name = "int64 atomics" if tile is None else "lists " + "x".join(map(str, tile))
                         line.append(f"{name}: {t.median_us:.1f} ({worst:.0e})")
-                    launch.LIST_ROWS, launch.LIST_ENTRIES, launch.LIST_COUNT_STRIDE, launch.LIST_WARPS = overrides
+                    (launch.LIST_ROWS, launch.LIST_ENTRIES, launch.LIST_COUNT_STRIDE, launch.LIST_WARPS,
+                     launch.LIST_PREFETCH) = overrides  # fmt: skip
                     print(f"deterministic {cell} | " + "  ".join(line), flush=True)
                 del inputs
                 torch.cuda.empty_cache()

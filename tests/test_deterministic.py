@@ -123,25 +123,30 @@ def test_fixed_point_scale_kernel_gives_the_pytorch_scale(largest, dtype):
 
 
 @pytest.mark.parametrize(
-    "dtype, rows, entries, warps, queries, head_dim",
-    [(torch.float32, None, None, None, 7, 6), (torch.float16, None, None, None, 7, 6),
-     (torch.float32, None, None, None, 17, 6), (torch.float16, None, None, None, 17, 6),
-     (torch.float32, 1, 2, None, 7, 6), (torch.float16, 16, 4, 1, 7, 6), (torch.float16, None, None, None, 17, 8)],
+    "dtype, rows, entries, warps, prefetch, queries, head_dim",
+    [(torch.float32, None, None, None, None, 7, 6), (torch.float16, None, None, None, None, 7, 6),
+     (torch.float32, None, None, None, None, 17, 6), (torch.float16, None, None, None, None, 17, 6),
+     (torch.float32, 1, 2, None, None, 7, 6), (torch.float16, 16, 4, 1, None, 7, 6),
+     (torch.float16, None, None, None, None, 17, 8), (torch.float32, 2, 1, None, False, 7, 6),
+     (torch.float32, 2, 1, None, True, 17, 6)],
     ids=["float32-rule", "float16-rule", "float32-rule-encoder", "float16-rule-encoder", "float32-1x2",
-         "float16-16x4-one-warp", "float16-rule-encoder-aligned-rows"],
+         "float16-16x4-one-warp", "float16-rule-encoder-aligned-rows", "float32-2x1-no-prefetch",
+         "float32-2x1-prefetch-encoder"],
 )  # fmt: skip
 @interpreted
-def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, dtype, rows, entries, warps, queries,
-                                                           head_dim):  # fmt: skip
+def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, dtype, rows, entries, warps, prefetch,
+                                                           queries, head_dim):  # fmt: skip
     """grad_value summed from the lists of samples equals, bit for bit, the backward kernel's 64-bit
     atomic adds of the same fixed-point contributions (the path the fused-softmax kernels keep),
     with samples outside the levels and straddling their borders, and a level of one pixel; at
     the rule's gather tile (a decoder's, and an encoder's: every pixel a query) and at others
-    (lists longer than a step, a program's rows past the last row, fewer warps than rows)."""
+    (lists longer than a step, a program's rows past the last row, fewer warps than rows, the
+    entries loaded a step ahead or not)."""
     if rows is not None:
         monkeypatch.setattr(launch, "LIST_ROWS", rows)
         monkeypatch.setattr(launch, "LIST_ENTRIES", entries)
         monkeypatch.setattr(launch, "LIST_WARPS", warps)
+        monkeypatch.setattr(launch, "LIST_PREFETCH", prefetch)
     shape = Shape(2, queries, 2, head_dim, ((3, 4), (2, 2), (1, 1)), 3)
     assert launch.every_pixel_a_query(queries, shape.num_values) == (queries == 17)
     inputs = make_inputs(shape, dtype, outside_fraction=0.25, seed=8)
@@ -154,10 +159,10 @@ def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, dtype, r
     backward_kernel.msda_backward_kernel[grid](*args, **constexprs)
     atomic = backward_kernel.from_fixed_point(grads[0], scale, dtype)
 
-    aligned = []  # the gather's hint that grad_output's rows start at multiples of 16 elements
+    launched = []  # each launch's constexprs: the gather's last
 
     def run(kernel, grid, args, constexprs):
-        aligned.append(constexprs.get("ROWS_ALIGNED"))
+        launched.append(constexprs)
         kernel[grid](*args, **constexprs)
 
     # grad_output's batches a query apart (a slice of a longer one): the gather's other addressing.
@@ -167,7 +172,9 @@ def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, dtype, r
         listed = _listed_grad_value(run, grad, value, shapes, given, loc, attn)
         assert listed.dtype == dtype and torch.equal(listed, atomic)
     assert atomic.abs().sum() > 0
-    assert aligned[-1] == (head_dim == 8)  # (the lists' kernel, then the gather: its flag last)
+    gather = launched[-1]
+    assert gather["ROWS_ALIGNED"] == (head_dim == 8)  # grad_output's rows start at multiples of 16 elements
+    assert gather["PREFETCH"] == (prefetch if prefetch is not None else rows is None and queries == 7)
 
     # Level starts that make levels overlap (not checked on CUDA): a row then takes the corners
     # of every level holding it, as the atomics add them.

@@ -145,6 +145,7 @@ def msda_gather_grad_value_kernel(
     BATCHES_FOLLOW: tl.constexpr,  # grad_out_stride_b == num_queries * grad_out_stride_q: no division
     BLOCK_L: tl.constexpr,  # NUM_LEVELS's next power of two
     ROWS_ALIGNED: tl.constexpr,  # grad_out's rows start at multiples of 16 elements (both strides are)
+    PREFETCH: tl.constexpr,  # load each step's entries a step ahead (ENTRIES 1)
 ):
     pid = tl.program_id(0)
     if INDEX_64:
@@ -192,17 +193,41 @@ def msda_gather_grad_value_kernel(
             first0, mid0, end0 = _run(ends_ptr, row, x, in_level)
             first1, mid1, end1 = _run(ends_ptr, row - w, x, in_level & (y > 0))
             longest = tl.maximum(tl.max(end0 - first0, axis=0), tl.max(end1 - first1, axis=0))
+            if PREFETCH:  # each step's entries loaded a step ahead (one entry a run a step)
+                tl.static_assert(ENTRIES == 1, "the gather prefetches one entry a run a step")
+                entry0 = tl.load(entries_ptr + first0, mask=first0 < end0, other=0)
+                entry1 = tl.load(entries_ptr + first1, mask=first1 < end1, other=0)
             done = longest * 0
             while done < longest:  # (a bound loaded from memory: a while loop, which the interpreter runs too)
-                for e in tl.static_range(ENTRIES):
-                    total = _add_entry(total, first0 + done + e, mid0, end0, 0, level, grad_out_ptr,
-                                       grad_out_stride_b, grad_out_stride_q, entries_ptr, weights_ptr, head_channel,
+                if PREFETCH:
+                    # The next step's entries now, in flight while this step's weights and
+                    # grad_output rows load: one memory round trip a step, not two.
+                    ahead0 = first0 + done + 1
+                    ahead1 = first1 + done + 1
+                    next0 = tl.load(entries_ptr + ahead0, mask=ahead0 < end0, other=0)
+                    next1 = tl.load(entries_ptr + ahead1, mask=ahead1 < end1, other=0)
+                    total = _add_entry(total, entry0, first0 + done, mid0, end0, 0, level, grad_out_ptr,
+                                       grad_out_stride_b, grad_out_stride_q, weights_ptr, head_channel,
                                        d_ok, scale, num_queries, NUM_HEADS, NUM_LEVELS, NUM_POINTS,
                                        BATCHES_FOLLOW, ROWS_ALIGNED)  # fmt: skip
-                    total = _add_entry(total, first1 + done + e, mid1, end1, 1, level, grad_out_ptr,
-                                       grad_out_stride_b, grad_out_stride_q, entries_ptr, weights_ptr, head_channel,
+                    total = _add_entry(total, entry1, first1 + done, mid1, end1, 1, level, grad_out_ptr,
+                                       grad_out_stride_b, grad_out_stride_q, weights_ptr, head_channel,
                                        d_ok, scale, num_queries, NUM_HEADS, NUM_LEVELS, NUM_POINTS,
                                        BATCHES_FOLLOW, ROWS_ALIGNED)  # fmt: skip
+                    entry0 = next0
+                    entry1 = next1
+                else:
+                    for e in tl.static_range(ENTRIES):
+                        index0 = first0 + done + e
+                        index1 = first1 + done + e
+                        total = _add_entry(total, tl.load(entries_ptr + index0, mask=index0 < end0, other=0), index0,
+                                           mid0, end0, 0, level, grad_out_ptr, grad_out_stride_b, grad_out_stride_q,
+                                           weights_ptr, head_channel, d_ok, scale, num_queries,
+                                           NUM_HEADS, NUM_LEVELS, NUM_POINTS, BATCHES_FOLLOW, ROWS_ALIGNED)  # fmt: skip
+                        total = _add_entry(total, tl.load(entries_ptr + index1, mask=index1 < end1, other=0), index1,
+                                           mid1, end1, 1, level, grad_out_ptr, grad_out_stride_b, grad_out_stride_q,
+                                           weights_ptr, head_channel, d_ok, scale, num_queries,
+                                           NUM_HEADS, NUM_LEVELS, NUM_POINTS, BATCHES_FOLLOW, ROWS_ALIGNED)  # fmt: skip
                 done += ENTRIES
     # backward.from_fixed_point's conversion: the integer rounded once to float32, times 2**-e.
     grad = total.to(tl.float32) * tl.load(scales_ptr + 1)
@@ -226,14 +251,13 @@ def _run(ends_ptr, top_left, x, ok):
 
 @triton.jit
 def _add_entry(
-    total, index, mid, end, dy_listed, level, grad_out_ptr, grad_out_stride_b, grad_out_stride_q, entries_ptr,
+    total, entry, index, mid, end, dy_listed, level, grad_out_ptr, grad_out_stride_b, grad_out_stride_q,
     weights_ptr, head_channel, d_ok, scale, num_queries, NUM_HEADS: tl.constexpr, NUM_LEVELS: tl.constexpr,
     NUM_POINTS: tl.constexpr, BATCHES_FOLLOW: tl.constexpr, ROWS_ALIGNED: tl.constexpr,
 ):  # fmt: skip
-    """total plus, for each row, the fixed-point contribution of entry `index` of its run (none
-    past `end`), a sample of `level` listed dy_listed image rows above the row's."""
+    """total plus, for each row, the fixed-point contribution of `entry`, loaded from `index` of
+    its run (none past `end`), a sample of `level` listed dy_listed image rows above the row's."""
     ok = index < end
-    entry = tl.load(entries_ptr + index, mask=ok, other=0)
     # The row is corner (dx, dy) = (index < mid, dy_listed) of the listed pixel, which is the
     # sample's corner (flags): the sample's corner 2 * dy + dx + flags, at the weight entry +
     # role, where no flag meets the role's bit (else the row is past the sample's corners).
@@ -241,7 +265,7 @@ def _add_entry(
     LK: tl.constexpr = NUM_LEVELS * NUM_POINTS
     # The entry's fields, unsigned: a signed division or remainder, even by a power of two, costs
     # its sign corrections, and every one of a row's threads computes them.
-    if entries_ptr.dtype.element_ty == tl.int64:
+    if entry.dtype == tl.int64:
         code = entry.to(tl.uint64, bitcast=True)
     else:
         code = entry.to(tl.uint32, bitcast=True)

@@ -442,6 +442,7 @@ LIST_ROWS: int | None = None
 LIST_ENTRIES: int | None = None
 LIST_COUNT_STRIDE: int | None = None
 LIST_WARPS: int | None = None
+LIST_PREFETCH: bool | None = None
 
 
 class ListRule(NamedTuple):
@@ -449,29 +450,35 @@ class ListRule(NamedTuple):
     entries: int  # entries of each of a row's two runs a step
     count_stride: int  # int32 counters from one list's to the next
     warps: int  # a gather program's
+    prefetch: bool  # each step's entries loaded a step ahead (entries 1)
 
 
 def list_rule(num_queries, num_values, value: Tensor) -> ListRule:
-    """The deterministic mode's lists, from the H200's sweeps (bench/NOTES.md entries 37 and 38,
+    """The deterministic mode's lists, from the H200's sweeps (bench/NOTES.md entries 37 to 39,
     graph replay us):
 
     - encoders: 4 rows a program on one warp, 2 entries a run in float32 (4 loads in flight a
       row), 4 in half precision: float32 1388 against 1393 at 4 entries and 2066 at 8 rows,
       bfloat16 1083 against 1128 at 2 entries and 1490 at 8 rows, float16 1060 against 1116
       (entry 39; 2 to 4 warps lost by 15-80% in entry 38);
-    - decoders: 32 rows a program in one warp, 1 entry a run: their lists are short and mostly
-      empty, so a program is mostly fixed cost, spread over more rows: float32 119 against 140 at
-      16 rows and 143 at 2 entries, bfloat16 109 against 112 and 115 (entry 39);
+    - decoders: 1 entry a run a step, loaded a step ahead (their lists are short and mostly
+      empty: more entries a step is work for rows that have none), one warp, 32 rows a program in
+      float32 and 16 in half precision: float32 115.6 against 117.3 at 16 rows and 120.1 without
+      the prefetch, bfloat16 103.7 against 106.3 at 32 rows and 109.6 without, float16 99.5
+      against 103.8 and 105.5; 2 entries a step, 8 or 64 rows, 2 or 4 warps: 3-55% slower
+      (entry 39);
     - the counters of an encoder 32 bytes apart, a sector each: its coarse levels' pixels each take
       about 330 samples of a head, spread over more L2 slices (float32 encoder 1548 against 1693
       packed); a decoder's packed (178 against 189 us: less to zero, and few collide)."""
     encoder = every_pixel_a_query(num_queries, num_values)
-    rows = LIST_ROWS or (4 if encoder else 32)
+    half = value.element_size() == 2
+    rows = LIST_ROWS or (4 if encoder else 16 if half else 32)
     return ListRule(
         rows,
-        LIST_ENTRIES or ((4 if value.element_size() == 2 else 2) if encoder else 1),
+        LIST_ENTRIES or ((4 if half else 2) if encoder else 1),
         LIST_COUNT_STRIDE or (8 if encoder else 1),
         LIST_WARPS or (_gather_warps(rows, value.shape[-1], value) if encoder else 1),
+        (not encoder) if LIST_PREFETCH is None else LIST_PREFETCH,
     )
 
 
@@ -547,6 +554,7 @@ def deterministic_grad_value(
         BATCHES_FOLLOW=grad_output.stride(0) == Q * grad_output.stride(1),
         BLOCK_L=_next_power_of_2(L),
         ROWS_ALIGNED=grad_output.stride(0) % 16 == 0 and grad_output.stride(1) % 16 == 0,
+        PREFETCH=rule.prefetch and rule.entries == 1,
         num_warps=rule.warps,
     )
     args = (grad_output, grad_output.stride(0), grad_output.stride(1), spatial_shapes, starts, ends, entries, weights,
