@@ -174,7 +174,7 @@ def msda_backward_kernel(
                 attn = finite_or_nan(attn)
             if COUNT_STRIDE > 0:
                 # The deterministic mode's lists (deterministic.py) count here, where the sample is
-                # placed anyway, as msda_sample_lists_kernel's FILL pass will list it: under its
+                # placed anyway, as msda_sample_lists_kernel will list it: under its
                 # top-left corner's pixel, if its left or right corner is inside. (A pass of its
                 # own waited on its atomics: 96 us at the bfloat16 encoder, bench/NOTES.md entry 38.)
                 pixel = start + tl.maximum(y0, 0) * w + tl.maximum(x0, 0)

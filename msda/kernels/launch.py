@@ -337,7 +337,7 @@ def backward_call(
         NUM_LEVELS=L,
         NUM_POINTS=K,
         COMPUTE=compute_dtype(value, sampling_locations, attention_weights),
-        INDEX_64=needs_int64(value, sampling_locations, grad_output, *([] if list_counters is None else [list_counters])),
+        INDEX_64=needs_int64(value, sampling_locations, grad_output, *[t for t in (list_counters,) if t is not None]),
         LEVEL_STARTS=level_start_index is not None,
         SOFTMAX=softmax,
         FIXED_POINT=fixed_point_scale is not None and grad_value is not None,
