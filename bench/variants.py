@@ -282,9 +282,10 @@ def _msda_deterministic(cell: Cell) -> Case:
     )
 
 
-def _msda_autograd(cell: Cell) -> Case:
+def _msda_autograd(cell: Cell, starts_given: bool = True) -> Case:
     value, loc, attn = leaves = _op_leaves(cell)
-    shapes, starts = cell.inputs.spatial_shapes, cell.inputs.level_start_index
+    shapes = cell.inputs.spatial_shapes
+    starts = cell.inputs.level_start_index if starts_given else None
     return _autograd_case(
         lambda: msda.multi_scale_deformable_attention(value, shapes, starts, loc, attn), leaves, cell.grad_output
     )
@@ -475,6 +476,13 @@ VARIANTS = (
         False,
         "msda.multi_scale_deformable_attention, the backward through autograd",
         _msda_autograd,
+    ),
+    Variant(
+        "msda-autograd-no-starts",
+        "op",
+        False,
+        "msda-autograd with level_start_index=None (the kernels sum the level sizes themselves)",
+        lambda cell: _msda_autograd(cell, starts_given=False),
     ),
     Variant(
         "msda-graph",

@@ -87,7 +87,8 @@ def test_cli_defaults_and_filters_on_a_cpu():
                                      "--dtype", "float32", "--dist", "local", "--peers", "--variants", "msda*"]))
     assert config.presets == list(PRESETS)
     assert config.dtypes == ["float16", "bfloat16", "float32"] and config.dists == ["local"]
-    assert [v.name for v in config.variants] == ["msda", "msda-deterministic", "msda-autograd", "msda-graph"]
+    assert [v.name for v in config.variants] == ["msda", "msda-deterministic", "msda-autograd",
+                                                 "msda-autograd-no-starts", "msda-graph"]
     assert not any(v.peer for v in config_from(parse_args(["--device", "cpu", "--peers"])).variants)
     with pytest.raises(SystemExit):
         config_from(parse_args(["--device", "cpu", "--dtype", "float8"]))
@@ -237,8 +238,8 @@ def test_smoke_preset_end_to_end(tmp_path):
     assert schema.validate(results) == []
     assert results["complete"] and results["config"]["device"] == "cpu"
     rows = {(r["variant"], r["pass"]): r for r in results["rows"]}
-    for variant in ("msda", "msda-autograd", "reference", "reference-compile", "block", "block-compile",
-                    "block-unfused", "block-unfused-compile"):
+    for variant in ("msda", "msda-autograd", "msda-autograd-no-starts", "reference", "reference-compile", "block",
+                    "block-compile", "block-unfused", "block-unfused-compile"):
         for p in ("forward", "backward"):
             r = rows[variant, p]
             assert r["status"] == "ok", r
