@@ -15,6 +15,25 @@ if not HAS_CUDA:
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # The interpreter drops launch keywords its kernel does not take; a compiled launch rejects
+    # them. Reject them here too, so that a constexpr left in a launch after the kernel lost it
+    # fails the CPU tier, not only the sm_90 compile check (bench/NOTES.md entry 39).
+    import inspect  # noqa: E402
+
+    from triton.runtime import interpreter  # noqa: E402
+
+    _LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg"})
+    _interpreted_launch = interpreter.GridExecutor.__call__
+
+    def _strict_launch(self, *args, **kwargs):
+        unknown = set(kwargs) - set(inspect.getfullargspec(self.fn).args) - _LAUNCH_OPTIONS
+        if unknown:
+            raise TypeError(f"{self.fn.__name__} takes no argument {sorted(unknown)}")
+        return _interpreted_launch(self, *args, **kwargs)
+
+    interpreter.GridExecutor.__call__ = _strict_launch
+
 # AOTAutograd's on-disk cache keys a compiled graph on the graph dynamo traced and the source of
 # the Triton kernels in it, not on the Python body of msda's operators, which AOTAutograd traces
 # into the graph: a graph compiled from another version of msda (another checkout sharing the
