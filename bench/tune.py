@@ -106,8 +106,9 @@ def _set_list_overrides(tile: tuple[int, ...]) -> None:
 
 def deterministic_launch(inputs, grad_output, tile: tuple[int, ...] | None):
     """(a callable running the deterministic mode's backward, the three gradients it last gave):
-    tile (rows, entries[, count stride[, warps]]): the lists at that gather tile; None: the 64-bit atomic
-    fixed-point path (an int64 grad_value zeroed, added into, converted)."""
+    tile (rows, entries[, count stride[, warps[, prefetch]]]): the lists at that gather tile, its
+    overrides set for the launches built here and left set; None: the 64-bit atomic fixed-point
+    path (an int64 grad_value zeroed, added into, converted)."""
     value, shapes, starts, loc, attn = inputs.args()
     Q, L, K = loc.shape[1], loc.shape[3], loc.shape[4]
     scale = fixed_point_scale(grad_output, attn, Q * L * K)
@@ -128,7 +129,6 @@ def deterministic_launch(inputs, grad_output, tile: tuple[int, ...] | None):
         if tile is None:
             grads[0] = from_fixed_point(fixed, scale, value.dtype)
             return
-        _set_list_overrides(tile)
         grads[0] = launch.deterministic_grad_value(
             lambda kernel, grid, args, constexprs: kernel[grid](*args, **constexprs),
             counters, grad_output, value, shapes, starts, loc, attn,
