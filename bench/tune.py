@@ -16,11 +16,13 @@ variant's output checked against the float64 reference in the same run, and the 
 beside it when importable. bench/NOTES.md logs what the sweeps chose.
 
 --lists times the deterministic mode's backward (kernels/deterministic.py) at each gather tile
-ROWS,ENTRIES[,COUNT_STRIDE[,WARPS[,PREFETCH]]] (launch.LIST_ROWS, launch.LIST_ENTRIES,
-launch.LIST_COUNT_STRIDE, launch.LIST_WARPS: a gather program's warps, launch.LIST_PREFETCH: 1 to
-load each step's entries a step ahead, ENTRIES 1 only; the rule's where not given), against the
+ROWS,ENTRIES[,COUNT_STRIDE[,WARPS[,JOINED]]] (launch.LIST_ROWS, launch.LIST_ENTRIES,
+launch.LIST_COUNT_STRIDE, launch.LIST_WARPS: a gather program's warps, launch.LIST_JOINED: 1 to
+walk a row's two runs one after the other, an entry a step loaded a step ahead, ENTRIES unread;
+0 side by side; the rule's where not given), against the
 default atomic backward and the 64-bit atomic fixed-point path it replaces, each checked against
-the float64 reference.
+the float64 reference; --lists-backward times it at the first --lists tile with its backward kernel
+(which leaves grad_value to the lists) at each forward-style tile given (launch.LIST_BACKWARD).
 
 --ncu launches each variant once between cudaProfilerStart and cudaProfilerStop instead of
 timing it, for Nsight Compute's counters (bench/NOTES.md entry 26 read these):
@@ -100,13 +102,13 @@ def backward_launch(inputs, grad_output, tile: launch.TileConfig, accumulator: t
 def _set_list_overrides(tile: tuple[int, ...]) -> None:
     """launch.LIST_* from a --lists tile; the rule's where the tile stops short."""
     (launch.LIST_ROWS, launch.LIST_ENTRIES, launch.LIST_COUNT_STRIDE, launch.LIST_WARPS,
-     prefetch) = (*tile, None, None, None)[:5]  # fmt: skip
-    launch.LIST_PREFETCH = None if prefetch is None else bool(prefetch)
+     joined) = (*tile, None, None, None)[:5]  # fmt: skip
+    launch.LIST_JOINED = None if joined is None else bool(joined)
 
 
 def deterministic_launch(inputs, grad_output, tile: tuple[int, ...] | None):
     """(a callable running the deterministic mode's backward, the three gradients it last gave):
-    tile (rows, entries[, count stride[, warps[, prefetch]]]): the lists at that gather tile, its
+    tile (rows, entries[, count stride[, warps[, joined]]]): the lists at that gather tile, its
     overrides set for the launches built here and left set; None: the 64-bit atomic fixed-point
     path (an int64 grad_value zeroed, added into, converted)."""
     value, shapes, starts, loc, attn = inputs.args()
@@ -183,7 +185,7 @@ def _list_tile(text: str) -> tuple[int, ...]:
     except ValueError:
         tile = ()
     if len(tile) not in (2, 3, 4, 5) or min(tile[:4]) < 1 or tile[4:] not in ((), (0,), (1,)):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected ROWS,ENTRIES[,COUNT_STRIDE[,WARPS[,PREFETCH 0|1]]]")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ROWS,ENTRIES[,COUNT_STRIDE[,WARPS[,JOINED 0|1]]]")
     return tile
 
 
@@ -200,8 +202,10 @@ def main() -> None:
     parser.add_argument("--forward", nargs="+", type=_tiles, default=FORWARD_SWEEP, metavar="Q,G,T[,...]")
     parser.add_argument("--backward", nargs="+", type=_tiles, default=BACKWARD_SWEEP, metavar="Q,G,T")
     parser.add_argument("--lists", nargs="+", type=_list_tile, default=[],
-                        metavar="ROWS,ENTRIES[,STRIDE[,WARPS[,PREFETCH]]]",
+                        metavar="ROWS,ENTRIES[,STRIDE[,WARPS[,JOINED]]]",
                         help="time the deterministic backward at these gather tiles")  # fmt: skip
+    parser.add_argument("--lists-backward", nargs="+", type=_tiles, default=[], metavar="Q,G,T[,...]",
+                        help="and at the first --lists tile, its backward kernel at these tiles")
     parser.add_argument("--ncu", action="store_true", help="launch each variant once for ncu, time nothing")
     parser.add_argument("--float32-params", action="store_true",
                         help="float32 locations and weights with half-precision values (default: the "
@@ -253,7 +257,7 @@ def main() -> None:
                     run, _ = backward_launch(inputs, grad, launch.backward_config(4, 4, D, dtype))
                     line = [f"atomic: {graph_device_time(run, calls=10, replays=5).median_us:.1f}"]
                     overrides = (launch.LIST_ROWS, launch.LIST_ENTRIES, launch.LIST_COUNT_STRIDE, launch.LIST_WARPS,
-                                 launch.LIST_PREFETCH)  # fmt: skip
+                                 launch.LIST_JOINED)  # fmt: skip
                     for tile in [None, *opts.lists]:
                         run, grads = deterministic_launch(inputs, grad, tile)
                         t = graph_device_time(run, calls=10, replays=5)
@@ -261,8 +265,16 @@ def main() -> None:
                         worst = max(relative_error(g, r) for g, r in zip(grads, expected))
                         name = "int64 atomics" if tile is None else "lists " + "x".join(map(str, tile))
                         line.append(f"{name}: {t.median_us:.1f} ({worst:.0e})")
+                    for backward_tile in opts.lists_backward:  # at the first --lists tile
+                        launch.LIST_BACKWARD = backward_tile
+                        run, grads = deterministic_launch(inputs, grad, opts.lists[0])
+                        t = graph_device_time(run, calls=10, replays=5)
+                        run()
+                        worst = max(relative_error(g, r) for g, r in zip(grads, expected))
+                        line.append(f"backward {_name(backward_tile)}: {t.median_us:.1f} ({worst:.0e})")
+                    launch.LIST_BACKWARD = None
                     (launch.LIST_ROWS, launch.LIST_ENTRIES, launch.LIST_COUNT_STRIDE, launch.LIST_WARPS,
-                     launch.LIST_PREFETCH) = overrides  # fmt: skip
+                     launch.LIST_JOINED) = overrides  # fmt: skip
                     print(f"deterministic {cell} | " + "  ".join(line), flush=True)
                 del inputs
                 torch.cuda.empty_cache()

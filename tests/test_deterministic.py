@@ -123,30 +123,30 @@ def test_fixed_point_scale_kernel_gives_the_pytorch_scale(largest, dtype):
 
 
 @pytest.mark.parametrize(
-    "dtype, rows, entries, warps, prefetch, queries, head_dim",
+    "dtype, rows, entries, warps, joined, queries, head_dim",
     [(torch.float32, None, None, None, None, 7, 6), (torch.float16, None, None, None, None, 7, 6),
      (torch.float32, None, None, None, None, 17, 6), (torch.float16, None, None, None, None, 17, 6),
-     (torch.float32, 1, 2, None, None, 7, 6), (torch.float16, 16, 4, 1, None, 7, 6),
+     (torch.float32, 1, 2, None, False, 7, 6), (torch.float16, 16, 4, 1, False, 7, 6),
      (torch.float16, None, None, None, None, 17, 8), (torch.float32, 2, 1, None, False, 7, 6),
      (torch.float32, 2, 1, None, True, 17, 6)],
     ids=["float32-rule", "float16-rule", "float32-rule-encoder", "float16-rule-encoder", "float32-1x2",
-         "float16-16x4-one-warp", "float16-rule-encoder-aligned-rows", "float32-2x1-no-prefetch",
-         "float32-2x1-prefetch-encoder"],
+         "float16-16x4-one-warp", "float16-rule-encoder-aligned-rows", "float32-2x1-side-by-side",
+         "float32-2x1-joined-encoder"],
 )  # fmt: skip
 @interpreted
-def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, dtype, rows, entries, warps, prefetch,
+def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, dtype, rows, entries, warps, joined,
                                                            queries, head_dim):  # fmt: skip
     """grad_value summed from the lists of samples equals, bit for bit, the backward kernel's 64-bit
     atomic adds of the same fixed-point contributions (the path the fused-softmax kernels keep),
     with samples outside the levels and straddling their borders, and a level of one pixel; at
     the rule's gather tile (a decoder's, and an encoder's: every pixel a query) and at others
-    (lists longer than a step, a program's rows past the last row, fewer warps than rows, the
-    entries loaded a step ahead or not)."""
+    (lists longer than a step, a program's rows past the last row, fewer warps than rows, a
+    row's two runs joined or side by side)."""
     if rows is not None:
         monkeypatch.setattr(launch, "LIST_ROWS", rows)
         monkeypatch.setattr(launch, "LIST_ENTRIES", entries)
         monkeypatch.setattr(launch, "LIST_WARPS", warps)
-        monkeypatch.setattr(launch, "LIST_PREFETCH", prefetch)
+        monkeypatch.setattr(launch, "LIST_JOINED", joined)
     shape = Shape(2, queries, 2, head_dim, ((3, 4), (2, 2), (1, 1)), 3)
     assert launch.every_pixel_a_query(queries, shape.num_values) == (queries == 17)
     inputs = make_inputs(shape, dtype, outside_fraction=0.25, seed=8)
@@ -174,7 +174,7 @@ def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, dtype, r
     assert atomic.abs().sum() > 0
     gather = launched[-1]
     assert gather["ROWS_ALIGNED"] == (head_dim == 8)  # grad_output's rows start at multiples of 16 elements
-    assert gather["PREFETCH"] == (prefetch if prefetch is not None else rows is None and queries == 7)
+    assert gather["JOINED"] == (joined if joined is not None else queries == 7)  # the rule's: decoders
 
     # Level starts that make levels overlap (not checked on CUDA): a row then takes the corners
     # of every level holding it, as the atomics add them.

@@ -22,7 +22,8 @@ instructions. Instead each value row gathers its own contributions from lists of
    A row at (y, x) is the top-left corner of the samples listed under it, the top-right one of
    those under (y, x - 1), the bottom corners of those under (y - 1, x) and (y - 1, x - 1):
    lists that sit side by side in pairs, (x - 1, x), so two runs of entries a row. It walks them
-   ENTRIES entries a step (independent loads, in flight together): each entry's corner weight
+   side by side, ENTRIES entries a step (independent loads, in flight together; encoders), or
+   JOINED, one after the other, an entry a step (decoders): each entry's corner weight
    times its query's grad_output row, rounded to fixed point, summed as integers in registers:
    the same sum in any order, so the slot order does not matter, and the result is the atomic
    fixed-point path's to the bit. It writes grad_value once, in the value's dtype: nothing to
@@ -138,14 +139,14 @@ def msda_gather_grad_value_kernel(
     NUM_LEVELS: tl.constexpr,
     NUM_POINTS: tl.constexpr,
     ROWS: tl.constexpr,  # rows a program
-    ENTRIES: tl.constexpr,  # entries of each of a row's two runs a step, unrolled: their loads in flight together
+    ENTRIES: tl.constexpr,  # entries of each of a row's two runs a step, unrolled: their loads in flight together (not JOINED)
     BLOCK_D: tl.constexpr,
     INDEX_64: tl.constexpr,
     LEVEL_STARTS: tl.constexpr,  # False: sum the level sizes
     BATCHES_FOLLOW: tl.constexpr,  # grad_out_stride_b == num_queries * grad_out_stride_q: no division
     BLOCK_L: tl.constexpr,  # NUM_LEVELS's next power of two
     ROWS_ALIGNED: tl.constexpr,  # grad_out's rows start at multiples of 16 elements (both strides are)
-    PREFETCH: tl.constexpr,  # load each step's entries a step ahead (ENTRIES 1)
+    JOINED: tl.constexpr,  # a row's two runs one after the other, one entry a step, loaded a step ahead
 ):
     pid = tl.program_id(0)
     if INDEX_64:
@@ -192,31 +193,34 @@ def msda_gather_grad_value_kernel(
             # the row is corner (0, dy) of the second list's samples, (1, dy) of the first's.
             first0, mid0, end0 = _run(ends_ptr, row, x, in_level)
             first1, mid1, end1 = _run(ends_ptr, row - w, x, in_level & (y > 0))
-            longest = tl.maximum(tl.max(end0 - first0, axis=0), tl.max(end1 - first1, axis=0))
-            if PREFETCH:  # each step's entries loaded a step ahead (one entry a run a step)
-                tl.static_assert(ENTRIES == 1, "the gather prefetches one entry a run a step")
-                entry0 = tl.load(entries_ptr + first0, mask=first0 < end0, other=0)
-                entry1 = tl.load(entries_ptr + first1, mask=first1 < end1, other=0)
+            if JOINED:
+                # One slot a row a step: its first run's entries, then its second's, each loaded a
+                # step ahead. A decoder's rows hold none or a few: side by side, the two runs
+                # took a step's work for each row and run as long as the longest run, mostly idle
+                # (bfloat16 decoder: 105 against 88 us, bench/NOTES.md entry 41).
+                length0 = end0 - first0
+                length = length0 + end1 - first1
+                longest = tl.max(length, axis=0)
+                index = _joined_index(longest * 0, first0, first1, length0)
+                entry = tl.load(entries_ptr + index, mask=0 < length, other=0)
+            else:
+                longest = tl.maximum(tl.max(end0 - first0, axis=0), tl.max(end1 - first1, axis=0))
             done = longest * 0
             while done < longest:  # (a bound loaded from memory: a while loop, which the interpreter runs too)
-                if PREFETCH:
-                    # The next step's entries now, in flight while this step's weights and
-                    # grad_output rows load: one memory round trip a step, not two.
-                    ahead0 = first0 + done + 1
-                    ahead1 = first1 + done + 1
-                    next0 = tl.load(entries_ptr + ahead0, mask=ahead0 < end0, other=0)
-                    next1 = tl.load(entries_ptr + ahead1, mask=ahead1 < end1, other=0)
-                    total = _add_entry(total, entry0, first0 + done, mid0, end0, 0, level, grad_out_ptr,
-                                       grad_out_stride_b, grad_out_stride_q, weights_ptr, head_channel,
-                                       d_ok, scale, num_queries, NUM_HEADS, NUM_LEVELS, NUM_POINTS,
-                                       BATCHES_FOLLOW, ROWS_ALIGNED)  # fmt: skip
-                    total = _add_entry(total, entry1, first1 + done, mid1, end1, 1, level, grad_out_ptr,
-                                       grad_out_stride_b, grad_out_stride_q, weights_ptr, head_channel,
-                                       d_ok, scale, num_queries, NUM_HEADS, NUM_LEVELS, NUM_POINTS,
-                                       BATCHES_FOLLOW, ROWS_ALIGNED)  # fmt: skip
-                    entry0 = next0
-                    entry1 = next1
-                else:
+                if JOINED:
+                    # The next step's entry now, in flight while this step's weight and
+                    # grad_output row load: one memory round trip a step, not two.
+                    ahead = _joined_index(done + 1, first0, first1, length0)
+                    next_entry = tl.load(entries_ptr + ahead, mask=done + 1 < length, other=0)
+                    second = done >= length0
+                    total = _add_entry(total, entry, index, tl.where(second, mid1, mid0), tl.where(second, end1, end0),
+                                       tl.where(second, 1, 0), level, grad_out_ptr, grad_out_stride_b,
+                                       grad_out_stride_q, weights_ptr, head_channel, d_ok, scale, num_queries,
+                                       NUM_HEADS, NUM_LEVELS, NUM_POINTS, BATCHES_FOLLOW, ROWS_ALIGNED)  # fmt: skip
+                    entry = next_entry
+                    index = ahead
+                    done += 1
+                else:  # ENTRIES of each run a step, side by side
                     for e in tl.static_range(ENTRIES):
                         index0 = first0 + done + e
                         index1 = first1 + done + e
@@ -228,7 +232,7 @@ def msda_gather_grad_value_kernel(
                                            mid1, end1, 1, level, grad_out_ptr, grad_out_stride_b, grad_out_stride_q,
                                            weights_ptr, head_channel, d_ok, scale, num_queries,
                                            NUM_HEADS, NUM_LEVELS, NUM_POINTS, BATCHES_FOLLOW, ROWS_ALIGNED)  # fmt: skip
-                done += ENTRIES
+                    done += ENTRIES
     # backward.from_fixed_point's conversion: the integer rounded once to float32, times 2**-e.
     grad = total.to(tl.float32) * tl.load(scales_ptr + 1)
     value_row = ((bm // NUM_HEADS) * num_values + pixel) * NUM_HEADS + bm % NUM_HEADS  # (b, pixel, m)
@@ -247,6 +251,12 @@ def _run(ends_ptr, top_left, x, ok):
     first = tl.load(ends_ptr + top_left - 2, mask=ok & (x > 0) & (top_left > 1), other=0)
     end = tl.load(ends_ptr + top_left, mask=ok, other=0)
     return tl.where(x > 0, first, mid), mid, end
+
+
+@triton.jit
+def _joined_index(step, first0, first1, length0):
+    """Where a row's entry `step` of its two runs one after the other sits."""
+    return tl.where(step < length0, first0 + step, first1 + step - length0)
 
 
 @triton.jit

@@ -145,16 +145,22 @@ def every_pixel_a_query(num_queries, num_values) -> bool:
 
 
 def backward_config(
-    num_levels: int, num_points: int, head_dim: int, value_dtype: torch.dtype, encoder: bool = False
+    num_levels: int, num_points: int, head_dim: int, value_dtype: torch.dtype, encoder: bool = False,
+    lists: bool = False,
 ) -> TileConfig:
     """The backward's launch rule (bench/NOTES.md, entry 13): a whole row per load and per atomic
     (the L2 handles fewer, larger reductions better), 4 queries, points in four groups, each
     step's parameters loaded a step ahead where a step holds one point a group (K <= 4: 0.1-1.8
     us off the decoders, entry 31). Half-precision encoders (`every_pixel_a_query`) take 2
     queries: 569 us against 584 at the preset, 540 against 554 under `local` (entry 38; 4 us
-    slower at the decoder in entry 33's tiles, hence the encoder alone)."""
+    slower at the decoder in entry 33's tiles, hence the encoder alone).
+
+    lists: the deterministic mode's kernel, which leaves grad_value to its lists (no atomics), 2
+    queries everywhere: the whole deterministic backward of the decoders 81.1 us against 88.6
+    (bfloat16), 82.1 against 88.8 (float16), 103.4 against 106.1 (float32), of the float32
+    encoder 1414 against 1419 (graph replay, entry 41)."""
     half = value_dtype in (torch.float16, torch.bfloat16)
-    return TileConfig(block_q=2 if encoder and half else 4, groups=4, threads_per_row=0, prefetch=True)
+    return TileConfig(block_q=2 if lists or (encoder and half) else 4, groups=4, threads_per_row=0, prefetch=True)
 
 
 def compute_dtype(*tensors: Tensor):
@@ -329,6 +335,8 @@ def backward_call(
     B, S, M, D = value.shape
     _, Q, _, L, K, _ = sampling_locations.shape
     L, K, M, D = int(L), int(K), int(M), int(D)
+    if config is None and grad_value is None:  # the deterministic mode's lists sum grad_value
+        config = LIST_BACKWARD or backward_config(L, K, D, value.dtype, every_pixel_a_query(Q, S), lists=True)
     config = config or backward_config(L, K, D, value.dtype, every_pixel_a_query(Q, S))
     constexprs = dict(config.constexprs(D, value.element_size(), K))
     constexprs.update(
@@ -442,43 +450,45 @@ LIST_ROWS: int | None = None
 LIST_ENTRIES: int | None = None
 LIST_COUNT_STRIDE: int | None = None
 LIST_WARPS: int | None = None
-LIST_PREFETCH: bool | None = None
+LIST_JOINED: bool | None = None
+# The backward kernel's tile where it leaves grad_value to the lists (bench.tune); None: `backward_config`.
+LIST_BACKWARD: TileConfig | None = None
 
 
 class ListRule(NamedTuple):
     rows: int  # rows a gather program
-    entries: int  # entries of each of a row's two runs a step
+    entries: int  # entries of each of a row's two runs a step, side by side (not joined)
     count_stride: int  # int32 counters from one list's to the next
     warps: int  # a gather program's
-    prefetch: bool  # each step's entries loaded a step ahead (entries 1)
+    joined: bool  # a row's two runs one after the other, an entry a step, loaded a step ahead
 
 
 def list_rule(num_queries, num_values, value: Tensor) -> ListRule:
-    """The deterministic mode's lists, from the H200's sweeps (bench/NOTES.md entries 37 to 39,
+    """The deterministic mode's lists, from the H200's sweeps (bench/NOTES.md entries 37 to 41,
     graph replay us):
 
     - encoders: 4 rows a program on one warp, 2 entries a run in float32 (4 loads in flight a
       row), 4 in half precision: float32 1388 against 1393 at 4 entries and 2066 at 8 rows,
       bfloat16 1083 against 1128 at 2 entries and 1490 at 8 rows, float16 1060 against 1116
       (entry 39; 2 to 4 warps lost by 15-80% in entry 38);
-    - decoders: 1 entry a run a step, loaded a step ahead (their lists are short and mostly
-      empty: more entries a step is work for rows that have none), one warp, 32 rows a program in
-      float32 and 16 in half precision: float32 115.6 against 117.3 at 16 rows and 120.1 without
-      the prefetch, bfloat16 103.7 against 106.3 at 32 rows and 109.6 without, float16 99.5
-      against 103.8 and 105.5; 2 entries a step, 8 or 64 rows, 2 or 4 warps: 3-55% slower
-      (entry 39);
+    - decoders: a row's two runs joined, one after the other, an entry a step, loaded a step
+      ahead (their lists are short and mostly empty: side by side, the runs took a step's work
+      for each row as long as the longer run lasted), one warp, 32 rows a program: bfloat16 88.3
+      against 91.5 at 16 rows and 105.3 side by side (the rule before), float16 83.1 against
+      87.0 and 99.7, float32 101.1 at 16 and 32 rows against 114.4 side by side; 8 or 64 rows
+      10-20% slower (entry 41). Side by side, 2 entries a step, 2 or 4 warps lost 3-55% (entry 39);
     - the counters of an encoder 32 bytes apart, a sector each: its coarse levels' pixels each take
       about 330 samples of a head, spread over more L2 slices (float32 encoder 1548 against 1693
       packed); a decoder's packed (178 against 189 us: less to zero, and few collide)."""
     encoder = every_pixel_a_query(num_queries, num_values)
     half = value.element_size() == 2
-    rows = LIST_ROWS or (4 if encoder else 16 if half else 32)
+    rows = LIST_ROWS or (4 if encoder else 32)
     return ListRule(
         rows,
         LIST_ENTRIES or ((4 if half else 2) if encoder else 1),
         LIST_COUNT_STRIDE or (8 if encoder else 1),
         LIST_WARPS or (_gather_warps(rows, value.shape[-1], value) if encoder else 1),
-        (not encoder) if LIST_PREFETCH is None else LIST_PREFETCH,
+        (not encoder) if LIST_JOINED is None else LIST_JOINED,
     )
 
 
@@ -488,7 +498,10 @@ def list_counters(value: Tensor, num_queries: int) -> Tensor:
     and ticket (`fixed_point_scales`): one zeroing for both."""
     B, S, M, _ = value.shape
     rule = list_rule(num_queries, S, value)
-    return torch.zeros((B * M * S * rule.count_stride + 3,), dtype=torch.int32, device=value.device)
+    # Zeroed without deterministic mode's fill of torch.zeros' empty tensor first: one pass, not
+    # two (1.4 us at the decoder, 3.3 at the encoder; bench/NOTES.md entry 41).
+    counters = empty_written_whole((B * M * S * rule.count_stride + 3,), torch.int32, value.device)
+    return counters.zero_()
 
 
 def deterministic_grad_value(
@@ -554,7 +567,7 @@ def deterministic_grad_value(
         BATCHES_FOLLOW=grad_output.stride(0) == Q * grad_output.stride(1),
         BLOCK_L=_next_power_of_2(L),
         ROWS_ALIGNED=grad_output.stride(0) % 16 == 0 and grad_output.stride(1) % 16 == 0,
-        PREFETCH=rule.prefetch and rule.entries == 1,
+        JOINED=rule.joined,
         num_warps=rule.warps,
     )
     args = (grad_output, grad_output.stride(0), grad_output.stride(1), spatial_shapes, starts, ends, entries, weights,
@@ -572,7 +585,7 @@ def fixed_point_scales(
 ) -> Tensor:
     """float32 (2,): `backward.fixed_point_scale`'s 2**e and 2**-e, by one launch of
     `msda_fixed_point_scale_kernel` through `launch`; maxima: int32 (3,) zeros for it."""
-    scales = torch.empty((2,), dtype=torch.float32, device=grad_output.device)
+    scales = empty_written_whole((2,), torch.float32, grad_output.device)  # (written whole: no NaN fill)
     numel = max(grad_output.numel(), attention_weights.numel())
     launch(msda_fixed_point_scale_kernel, (_cdiv(numel, SCALE_BLOCK),),
            (grad_output, grad_output.stride(0), grad_output.stride(1), grad_output.shape[1], grad_output.shape[2],
