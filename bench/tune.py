@@ -254,7 +254,9 @@ def main() -> None:
                     Q, M, D = PRESETS[preset].queries, PRESETS[preset].heads, PRESETS[preset].head_dim
                     grad = torch.randn(inputs.value.shape[0], Q, M * D, device="cuda").to(dtype)
                     expected = reference_with_grads(inputs, grad)[1:]
-                    run, _ = backward_launch(inputs, grad, launch.backward_config(4, 4, D, dtype))
+                    # The atomic backward at its rule's tile (the half encoders' 2 queries a program too).
+                    encoder = launch.every_pixel_a_query(Q, inputs.value.shape[1])
+                    run, _ = backward_launch(inputs, grad, launch.backward_config(4, 4, D, dtype, encoder))
                     line = [f"atomic: {graph_device_time(run, calls=10, replays=5).median_us:.1f}"]
                     overrides = (launch.LIST_ROWS, launch.LIST_ENTRIES, launch.LIST_COUNT_STRIDE, launch.LIST_WARPS,
                                  launch.LIST_JOINED)  # fmt: skip
