@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from msda import ops, torch_impl
-from msda.kernels.backward import SAMPLES_PER_REPLICA, grad_value_accumulator_dtype, replica_rows
+from msda.kernels import launch
+from msda.kernels.backward import (
+    SAMPLES_PER_REPLICA,
+    fixed_point_scale,
+    from_fixed_point,
+    grad_value_accumulator_dtype,
+    msda_backward_kernel,
+    replica_rows,
+)
 from msda.testing import PRESETS, make_inputs
 
 from ..helpers import assert_matches_reference, forward_backward, random_like_output
@@ -70,6 +78,39 @@ def test_grad_value_accumulation_rule(preset, replicated):
         counts.append(max(1, min(wanted, 1 + (rows - used) // (h * w))))
         used += (counts[-1] - 1) * h * w
     assert counts == replicated and used <= rows
+
+
+@pytest.mark.parametrize("dist", ["uniform", "local"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("preset", ["decoder", "encoder"])
+def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(preset, dtype, dist):
+    """The deterministic mode's grad_value from its lists (kernels/deterministic.py, at the rule's
+    tiles: a decoder's joined runs, an encoder's side by side) equals, bit for bit, the 64-bit
+    atomic adds of the same fixed-point contributions (the fused-softmax kernels' path), at the
+    presets: lists of up to a thousand samples and more on the encoder's coarse levels."""
+    inputs = make_inputs(PRESETS[preset], dtype, "cuda", dist=dist, seed=7)
+    grad_output = random_like_output(inputs)
+    value, shapes, starts, loc, attn = inputs.args()
+    Q, L, K = loc.shape[1], loc.shape[3], loc.shape[4]
+    scale = fixed_point_scale(grad_output, attn, Q * L * K)
+    fixed = torch.zeros(value.shape, dtype=torch.int64, device="cuda")
+    grid, args, constexprs = launch.backward_call(grad_output, value, shapes, starts, loc, attn, fixed,
+                                                  torch.empty_like(loc), torch.empty_like(attn),
+                                                  fixed_point_scale=scale)  # fmt: skip
+    msda_backward_kernel[grid](*args, **constexprs)
+    atomic = from_fixed_point(fixed, scale, dtype)
+    counters = launch.list_counters(value, Q)
+    grid, args, constexprs = launch.backward_call(grad_output, value, shapes, starts, loc, attn, None,
+                                                  torch.empty_like(loc), torch.empty_like(attn),
+                                                  list_counters=counters)  # fmt: skip
+    msda_backward_kernel[grid](*args, **constexprs)
+    listed = launch.deterministic_grad_value(
+        lambda kernel, grid, args, constexprs: kernel[grid](*args, **constexprs),
+        counters, grad_output, value, shapes, starts, loc, attn,
+    )  # fmt: skip
+    assert torch.equal(listed, atomic)
+    assert not counters[:-3].any()  # every sample listed as counted
+    assert atomic.abs().amax() > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
