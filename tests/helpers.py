@@ -6,6 +6,8 @@ import torch
 from torch import Tensor
 
 import msda
+from msda.kernels import backward as backward_kernel
+from msda.kernels import launch
 from msda.testing import Inputs, reference_with_grads, relative_error, tolerance
 
 GRAD_NAMES = ("output", "grad_value", "grad_sampling_locations", "grad_attention_weights")
@@ -53,3 +55,29 @@ def random_like_output(inputs: Inputs, seed: int = 1) -> Tensor:
     D = inputs.value.shape[-1]
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(B, Q, M * D, generator=gen).to(inputs.value.device, inputs.value.dtype)
+
+
+def atomic_fixed_point_grad_value(grad_output: Tensor, value, shapes, starts, loc, attn) -> Tensor:
+    """The deterministic mode's grad_value by the backward kernel's 64-bit atomic adds of its
+    fixed-point contributions (the fused-softmax kernels' path), in the value's dtype."""
+    scale = backward_kernel.fixed_point_scale(grad_output, attn, loc.shape[1] * loc.shape[3] * loc.shape[4])
+    fixed = torch.zeros(value.shape, dtype=torch.int64, device=value.device)
+    grid, args, constexprs = launch.backward_call(grad_output, value, shapes, starts, loc, attn, fixed,
+                                                  torch.empty_like(loc), torch.empty_like(attn),
+                                                  fixed_point_scale=scale)  # fmt: skip
+    backward_kernel.msda_backward_kernel[grid](*args, **constexprs)
+    return backward_kernel.from_fixed_point(fixed, scale, value.dtype)
+
+
+def listed_grad_value(run, grad_output: Tensor, value, shapes, starts, loc, attn) -> Tensor:
+    """The deterministic mode's grad_value as the operator makes it: the backward kernel without
+    grad_value counting the lists, then the lists' kernels (launched by `run(kernel, grid, args,
+    constexprs)`); asserts that the lists' pass took every count back down."""
+    counters = launch.list_counters(value, loc.shape[1])
+    grads = [torch.empty_like(loc), torch.empty_like(attn)]
+    grid, args, constexprs = launch.backward_call(grad_output, value, shapes, starts, loc, attn, None, *grads,
+                                                  list_counters=counters)  # fmt: skip
+    backward_kernel.msda_backward_kernel[grid](*args, **constexprs)
+    listed = launch.deterministic_grad_value(run, counters, grad_output, value, shapes, starts, loc, attn)
+    assert not counters[:-3].any()  # the lists' pass took every count back down: each listed as counted
+    return listed

@@ -17,7 +17,13 @@ from msda.kernels import backward as backward_kernel
 from msda.kernels import launch
 from msda.testing import Shape, make_inputs
 
-from .helpers import assert_matches_reference, forward_backward, random_like_output
+from .helpers import (
+    assert_matches_reference,
+    atomic_fixed_point_grad_value,
+    forward_backward,
+    listed_grad_value,
+    random_like_output,
+)
 from .test_edge_cases import backend, needs_interpreter
 
 SHAPE = Shape(1, 5, 2, 4, ((3, 4), (2, 2)), 2)
@@ -152,12 +158,7 @@ def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, dtype, r
     inputs = make_inputs(shape, dtype, outside_fraction=0.25, seed=8)
     grad_output = random_like_output(inputs)
     value, shapes, starts, loc, attn = inputs.args()
-    scale = backward_kernel.fixed_point_scale(grad_output, attn, loc.shape[1] * 3 * 3)
-    grads = [torch.zeros(value.shape, dtype=torch.int64), torch.empty_like(loc), torch.empty_like(attn)]
-    grid, args, constexprs = launch.backward_call(grad_output, value, shapes, starts, loc, attn, *grads,
-                                                  fixed_point_scale=scale)  # fmt: skip
-    backward_kernel.msda_backward_kernel[grid](*args, **constexprs)
-    atomic = backward_kernel.from_fixed_point(grads[0], scale, dtype)
+    atomic = atomic_fixed_point_grad_value(grad_output, value, shapes, starts, loc, attn)
 
     launched = []  # each launch's constexprs: the gather's last
 
@@ -169,7 +170,7 @@ def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, dtype, r
     padded = torch.cat([grad_output, grad_output[:, :1]], dim=1)[:, :-1]
     assert padded.stride(0) != padded.shape[1] * padded.stride(1) and torch.equal(padded, grad_output)
     for given, grad in ((starts, grad_output), (None, grad_output), (starts, padded)):  # level starts summed too
-        listed = _listed_grad_value(run, grad, value, shapes, given, loc, attn)
+        listed = listed_grad_value(run, grad, value, shapes, given, loc, attn)
         assert listed.dtype == dtype and torch.equal(listed, atomic)
     assert atomic.abs().sum() > 0
     gather = launched[-1]
@@ -179,26 +180,9 @@ def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, dtype, r
     # Level starts that make levels overlap (not checked on CUDA): a row then takes the corners
     # of every level holding it, as the atomics add them.
     overlapping = torch.tensor([0, 2, 5], dtype=starts.dtype)
-    grads[0].zero_()
-    grid, args, constexprs = launch.backward_call(grad_output, value, shapes, overlapping, loc, attn, *grads,
-                                                  fixed_point_scale=scale)  # fmt: skip
-    backward_kernel.msda_backward_kernel[grid](*args, **constexprs)
-    atomic = backward_kernel.from_fixed_point(grads[0], scale, dtype)
-    listed = _listed_grad_value(run, grad_output, value, shapes, overlapping, loc, attn)
+    atomic = atomic_fixed_point_grad_value(grad_output, value, shapes, overlapping, loc, attn)
+    listed = listed_grad_value(run, grad_output, value, shapes, overlapping, loc, attn)
     assert torch.equal(listed, atomic) and atomic[:, 2:6].abs().sum() > 0
-
-
-def _listed_grad_value(run, grad_output, value, shapes, starts, loc, attn):
-    """The deterministic mode's grad_value as the operator makes it: the backward kernel without
-    grad_value counting the lists, then the lists' kernels (launched by `run`)."""
-    counters = launch.list_counters(value, loc.shape[1])
-    grads = [torch.empty_like(loc), torch.empty_like(attn)]
-    grid, args, constexprs = launch.backward_call(grad_output, value, shapes, starts, loc, attn, None, *grads,
-                                                  list_counters=counters)  # fmt: skip
-    backward_kernel.msda_backward_kernel[grid](*args, **constexprs)
-    listed = launch.deterministic_grad_value(run, counters, grad_output, value, shapes, starts, loc, attn)
-    assert not counters[:-3].any()  # the lists' pass took every count back down: each listed as counted
-    return listed
 
 
 def test_fill_skipped_only_inside_and_only_when_asked(deterministic_algorithms):

@@ -8,18 +8,16 @@ import pytest
 import torch
 
 from msda import ops, torch_impl
-from msda.kernels import launch
-from msda.kernels.backward import (
-    SAMPLES_PER_REPLICA,
-    fixed_point_scale,
-    from_fixed_point,
-    grad_value_accumulator_dtype,
-    msda_backward_kernel,
-    replica_rows,
-)
+from msda.kernels.backward import SAMPLES_PER_REPLICA, grad_value_accumulator_dtype, replica_rows
 from msda.testing import PRESETS, make_inputs
 
-from ..helpers import assert_matches_reference, forward_backward, random_like_output
+from ..helpers import (
+    assert_matches_reference,
+    atomic_fixed_point_grad_value,
+    forward_backward,
+    listed_grad_value,
+    random_like_output,
+)
 
 CASES = [
     # (value dtype, locations/weights dtype)
@@ -90,26 +88,11 @@ def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(preset, dtype, dist):
     presets: lists of up to a thousand samples and more on the encoder's coarse levels."""
     inputs = make_inputs(PRESETS[preset], dtype, "cuda", dist=dist, seed=7)
     grad_output = random_like_output(inputs)
-    value, shapes, starts, loc, attn = inputs.args()
-    Q, L, K = loc.shape[1], loc.shape[3], loc.shape[4]
-    scale = fixed_point_scale(grad_output, attn, Q * L * K)
-    fixed = torch.zeros(value.shape, dtype=torch.int64, device="cuda")
-    grid, args, constexprs = launch.backward_call(grad_output, value, shapes, starts, loc, attn, fixed,
-                                                  torch.empty_like(loc), torch.empty_like(attn),
-                                                  fixed_point_scale=scale)  # fmt: skip
-    msda_backward_kernel[grid](*args, **constexprs)
-    atomic = from_fixed_point(fixed, scale, dtype)
-    counters = launch.list_counters(value, Q)
-    grid, args, constexprs = launch.backward_call(grad_output, value, shapes, starts, loc, attn, None,
-                                                  torch.empty_like(loc), torch.empty_like(attn),
-                                                  list_counters=counters)  # fmt: skip
-    msda_backward_kernel[grid](*args, **constexprs)
-    listed = launch.deterministic_grad_value(
-        lambda kernel, grid, args, constexprs: kernel[grid](*args, **constexprs),
-        counters, grad_output, value, shapes, starts, loc, attn,
-    )  # fmt: skip
+    atomic = atomic_fixed_point_grad_value(grad_output, *inputs.args())
+    listed = listed_grad_value(
+        lambda kernel, grid, args, constexprs: kernel[grid](*args, **constexprs), grad_output, *inputs.args()
+    )  # (asserts every sample listed as counted)
     assert torch.equal(listed, atomic)
-    assert not counters[:-3].any()  # every sample listed as counted
     assert atomic.abs().amax() > 0
 
 
