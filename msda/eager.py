@@ -60,24 +60,24 @@ def eligible(value, spatial_shapes, level_start_index, *tensors) -> bool:
 
 
 def _looks_valid(value, spatial_shapes, level_start_index, sampling_locations, attention_weights) -> bool:
-    """The operator's metadata checks for the common case, in a few comparisons."""
+    """The operator's metadata checks for the common case, in a few comparisons. (A nested
+    tensor raises at .shape, which every tensor here is asked: `_check` then runs the full checks.)"""
     v, loc, attn, shapes, starts = value, sampling_locations, attention_weights, spatial_shapes, level_start_index
-    device = v.device
+    device, loc_shape = v.device, loc.shape
     return (
-        not (v.is_nested or loc.is_nested or attn.is_nested or shapes.is_nested)
-        and v.dim() == 4
-        and loc.dim() == 6
+        v.dim() == 4
+        and len(loc_shape) == 6
         and v.dtype in _FLOATS
         and loc.dtype in _FLOATS
         and attn.dtype in _FLOATS
         and shapes.dtype in _INDICES
         and v.layout == loc.layout == attn.layout == shapes.layout == torch.strided
-        and loc.shape[0] == v.shape[0]
-        and loc.shape[2] == v.shape[2]
-        and loc.shape[5] == 2
-        and attn.shape == loc.shape[:5]
-        and shapes.shape == (loc.shape[3], 2)
-        and 0 not in loc.shape[2:5]
+        and loc_shape[0] == v.shape[0]
+        and loc_shape[2] == v.shape[2]
+        and loc_shape[5] == 2
+        and attn.shape == loc_shape[:5]
+        and shapes.shape == (loc_shape[3], 2)
+        and 0 not in loc_shape[2:5]
         and v.shape[3] > 0
         and loc.device == device
         and attn.device == device
@@ -85,10 +85,9 @@ def _looks_valid(value, spatial_shapes, level_start_index, sampling_locations, a
         and (
             starts is None
             or (
-                not starts.is_nested
-                and starts.dtype in _INDICES
+                starts.dtype in _INDICES
                 and starts.layout == torch.strided
-                and starts.shape == (loc.shape[3],)
+                and starts.shape == (loc_shape[3],)
                 and starts.device == device
             )
         )

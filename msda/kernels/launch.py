@@ -165,7 +165,10 @@ def backward_config(
 
 def compute_dtype(*tensors: Tensor):
     """float64 arithmetic for float64 inputs (gradcheck), float32 for everything else."""
-    return tl.float64 if any(t.dtype == torch.float64 for t in tensors) else tl.float32
+    for t in tensors:  # (a loop, not any(): this runs on every eager call)
+        if t.dtype == torch.float64:
+            return tl.float64
+    return tl.float32
 
 
 # The softmax operators on CUDA: True has the kernels normalize the logits themselves
@@ -189,7 +192,7 @@ def _pairs_readable(value: Tensor) -> bool:
     return value.dtype == torch.bfloat16 and value.shape[-1] % 2 == 0 and value.storage_offset() % 2 == 0
 
 
-def lane_placement(config: TileConfig, constexprs: dict, value: Tensor) -> bool:
+def lane_placement(config: TileConfig, constexprs: dict, element_size: int) -> bool:
     """Whether the forward takes `forward._lane_placed_samples`: asked for, a row read with one
     load a thread, float32 arithmetic (its shuffles pass 32-bit values), 32-bit indices, no
     softmax, the points of each level in two or more groups (so that each thread's parameters
@@ -198,7 +201,7 @@ def lane_placement(config: TileConfig, constexprs: dict, value: Tensor) -> bool:
     and the shuffles' lanes are no longer the row's (scripts/compile_check.py checks the
     layouts). Where it applies it takes precedence over a config's prefetch; int32 pairs apply to
     either loop."""
-    lanes = constexprs["CHUNK"] // max(1, 16 // value.element_size())
+    lanes = constexprs["CHUNK"] // max(1, 16 // element_size)
     return (
         config.lane_placement
         and constexprs["CHUNK"] == constexprs["BLOCK_D"]
@@ -242,7 +245,10 @@ def traceable(kernel, constexprs: dict) -> tuple:
 def needs_int64(*tensors: Tensor) -> bool:
     """Whether an element offset into any of `tensors` can reach 2**31 (then kernels index in
     int64; int32 otherwise, which saves registers on every gathered address)."""
-    return any(_span(t) >= 2**31 for t in tensors)
+    for t in tensors:  # (a loop, not any(): this runs on every eager call)
+        if _span(t) >= 2**31:
+            return True
+    return False
 
 
 def _span(t: Tensor) -> int:
@@ -269,32 +275,45 @@ def forward_call(
     M, L, K, D under dynamic shapes; B, Q and S stay symbolic."""
     B, S, M, D = value.shape
     _, Q, _, L, K, _ = sampling_locations.shape
-    L, K, M, D = int(L), int(K), int(M), int(D)
-    encoder = register_target(value.device) and every_pixel_a_query(Q, S)
-    config = config or forward_config(L, K, D, value.dtype, encoder)
-    constexprs = dict(config.constexprs(D, value.element_size(), K))
+    constexprs = _forward_constexprs(
+        int(L), int(K), int(M), int(D), value.dtype, compute_dtype(value, sampling_locations, attention_weights),
+        register_target(value.device), every_pixel_a_query(Q, S), needs_int64(value, sampling_locations, out),
+        level_start_index is not None, softmax, _pairs_readable(value), config,
+    )  # fmt: skip
+    grid = (_cdiv(Q, constexprs["BLOCK_Q"]) * B * M,)
+    starts = spatial_shapes if level_start_index is None else level_start_index  # unread if None
+    args = (value, spatial_shapes, starts, sampling_locations, attention_weights, out, Q, S)
+    return grid, args, dict(constexprs)
+
+
+# The settings of a launch are a function of these few facts of a call, so they are computed once
+# for each: building them took about half of an eager forward call's Python (bench/NOTES.md entry 42).
+@functools.lru_cache(maxsize=256)
+def _forward_constexprs(
+    L: int, K: int, M: int, D: int, dtype: torch.dtype, compute, hopper: bool, every_pixel: bool, index_64: bool,
+    level_starts: bool, softmax: bool, pairs_readable: bool, config: TileConfig | None,
+) -> dict:  # fmt: skip
+    config = config or forward_config(L, K, D, dtype, hopper and every_pixel)
+    constexprs = dict(config.constexprs(D, dtype.itemsize, K))
     constexprs.update(
         NUM_HEADS=M,
         HEAD_DIM=D,
         NUM_LEVELS=L,
         NUM_POINTS=K,
         LEVELS_UNROLLED=L * K <= config.unroll_levels,
-        COMPUTE=compute_dtype(value, sampling_locations, attention_weights),
-        INDEX_64=needs_int64(value, sampling_locations, out),
-        LEVEL_STARTS=level_start_index is not None,
+        COMPUTE=compute,
+        INDEX_64=index_64,
+        LEVEL_STARTS=level_starts,
         SOFTMAX=softmax,
         PREFETCH=bool(config.prefetch),
     )
     # Where the lane placement does not apply, the config's other settings choose the loop.
-    constexprs.update(LANE_PLACEMENT=lane_placement(config, constexprs, value), SHUFFLE=WARP_SHUFFLES)
+    constexprs.update(LANE_PLACEMENT=lane_placement(config, constexprs, dtype.itemsize), SHUFFLE=WARP_SHUFFLES)
     constexprs["LANE_UNROLL"] = max(1, int(config.lane_unroll))
-    if not (constexprs["LANE_PLACEMENT"] and register_target(value.device)):  # where the targets were measured
+    if not (constexprs["LANE_PLACEMENT"] and hopper):  # where the targets were measured
         constexprs.pop("maxnreg", None)
-    constexprs["BF16_PAIRS"] = bool(config.bf16_pairs) and _pairs_readable(value)
-    grid = (_cdiv(Q, constexprs["BLOCK_Q"]) * B * M,)
-    starts = spatial_shapes if level_start_index is None else level_start_index  # unread if None
-    args = (value, spatial_shapes, starts, sampling_locations, attention_weights, out, Q, S)
-    return grid, args, constexprs
+    constexprs["BF16_PAIRS"] = bool(config.bf16_pairs) and pairs_readable
+    return constexprs
 
 
 def backward_call(
@@ -334,31 +353,16 @@ def backward_call(
     also counts the samples of that mode's lists into them."""
     B, S, M, D = value.shape
     _, Q, _, L, K, _ = sampling_locations.shape
-    L, K, M, D = int(L), int(K), int(M), int(D)
-    if config is None and grad_value is None:  # the deterministic mode's lists sum grad_value
-        config = LIST_BACKWARD or backward_config(L, K, D, value.dtype, every_pixel_a_query(Q, S), lists=True)
-    config = config or backward_config(L, K, D, value.dtype, every_pixel_a_query(Q, S))
-    constexprs = dict(config.constexprs(D, value.element_size(), K))
-    constexprs.update(
-        NUM_HEADS=M,
-        HEAD_DIM=D,
-        NUM_LEVELS=L,
-        NUM_POINTS=K,
-        COMPUTE=compute_dtype(value, sampling_locations, attention_weights),
-        INDEX_64=needs_int64(value, sampling_locations, grad_output, *[t for t in (list_counters,) if t is not None]),
-        LEVEL_STARTS=level_start_index is not None,
-        SOFTMAX=softmax,
-        FIXED_POINT=fixed_point_scale is not None and grad_value is not None,
-        REPLICAS=replicas is not None,
-        # 4- and 8-byte accumulators: the last batch first (the kernel says why). Measured on the
-        # H200: the float32 decoder 70.7 -> 65.4 us; the float16 one, whose 45 MB grad_value stays
-        # in the L2 anyway, lost 3 us with it (bench/NOTES.md entry 34).
-        LAST_BATCH_FIRST=grad_value is not None and grad_value.element_size() >= 4,
-        GRAD_VALUE=grad_value is not None,
-        VALUE_EVICTION="evict_first" if grad_value is not None and value_rows_evicted_first(grad_value, Q, S) else "",
-        COUNT_STRIDE=0 if list_counters is None else list_rule(Q, S, value).count_stride,
-    )
-    constexprs["PREFETCH"] = bool(config.prefetch) and constexprs["UNROLL"] == 1
+    lists = grad_value is None  # the deterministic mode's lists sum grad_value
+    constexprs = _backward_constexprs(
+        int(L), int(K), int(M), int(D), value.dtype, compute_dtype(value, sampling_locations, attention_weights),
+        every_pixel_a_query(Q, S),
+        needs_int64(value, sampling_locations, grad_output, *[t for t in (list_counters,) if t is not None]),
+        level_start_index is not None, softmax, fixed_point_scale is not None and not lists, replicas is not None,
+        0 if lists else grad_value.element_size(), not lists and value_rows_evicted_first(grad_value, Q, S),
+        0 if list_counters is None else list_rule(Q, S, value).count_stride,
+        config or (LIST_BACKWARD if lists else None),
+    )  # fmt: skip
     if softmax and scratch is None:
         raise ValueError("backward_call: softmax=True needs a scratch tensor")
     grid = (_cdiv(Q, constexprs["BLOCK_Q"]) * B * M,)
@@ -384,7 +388,39 @@ def backward_call(
         S,
         0 if replicas is None else replicas.shape[1],
     )
-    return grid, args, constexprs
+    return grid, args, dict(constexprs)
+
+
+@functools.lru_cache(maxsize=256)
+def _backward_constexprs(
+    L: int, K: int, M: int, D: int, dtype: torch.dtype, compute, every_pixel: bool, index_64: bool,
+    level_starts: bool, softmax: bool, fixed_point: bool, replicas: bool, accumulator_size: int,
+    value_evicted_first: bool, count_stride: int, config: TileConfig | None,
+) -> dict:  # fmt: skip
+    """backward_call's settings (accumulator_size: grad_value's element size, 0 for the lists)."""
+    config = config or backward_config(L, K, D, dtype, every_pixel, lists=accumulator_size == 0)
+    constexprs = dict(config.constexprs(D, dtype.itemsize, K))
+    constexprs.update(
+        NUM_HEADS=M,
+        HEAD_DIM=D,
+        NUM_LEVELS=L,
+        NUM_POINTS=K,
+        COMPUTE=compute,
+        INDEX_64=index_64,
+        LEVEL_STARTS=level_starts,
+        SOFTMAX=softmax,
+        FIXED_POINT=fixed_point,
+        REPLICAS=replicas,
+        # 4- and 8-byte accumulators: the last batch first (the kernel says why). Measured on the
+        # H200: the float32 decoder 70.7 -> 65.4 us; the float16 one, whose 45 MB grad_value stays
+        # in the L2 anyway, lost 3 us with it (bench/NOTES.md entry 34).
+        LAST_BATCH_FIRST=accumulator_size >= 4,
+        GRAD_VALUE=accumulator_size > 0,
+        VALUE_EVICTION="evict_first" if value_evicted_first else "",
+        COUNT_STRIDE=count_stride,
+    )
+    constexprs["PREFETCH"] = bool(config.prefetch) and constexprs["UNROLL"] == 1
+    return constexprs
 
 
 def value_rows_evicted_first(grad_value: Tensor, num_queries, num_values) -> bool:
