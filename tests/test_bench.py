@@ -22,7 +22,7 @@ from bench.timing import AGREEMENT, Timing, agree, device_events_us
 from bench.tune import _list_tile, _tiles
 from bench.variants import PRESETS, SMOKE, VARIANTS, Cell, _msda_autograd, _msda_op, _reference, grid_sample_msda
 from msda.kernels.launch import TileConfig
-from msda.testing import TOLERANCE, make_inputs, reference
+from msda.testing import TOLERANCE, Shape, make_inputs, reference
 
 REPO = Path(__file__).resolve().parents[1]
 CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
@@ -317,3 +317,18 @@ def test_phases_sums_by_name_or_lists_each_launch():
         per_launch(kernels[:5], 3)
     with pytest.raises(RuntimeError, match="not the same launches"):
         per_launch([("count", 1.0), ("fill", 1.0), ("fill", 1.0), ("count", 1.0)], 2)
+
+
+def test_calls_rows_run_and_differentiate_on_a_cpu():
+    from bench.calls import rows
+
+    shape = Shape(batch=2, queries=5, heads=2, head_dim=4, levels=((4, 6), (2, 3)), points=2)
+    table = rows(shape, torch.float32, chain=3, device="cpu")
+    assert "msda x 3, one backward, per call" in table
+    for name, (call, backward) in table.items():
+        result = call()
+        if backward and name.startswith(("msda", "noop", "deformops")):
+            grads = result
+            assert [g.shape for g in grads] == [
+                torch.Size([2, 30, 2, 4]), torch.Size([2, 5, 2, 2, 2, 2]), torch.Size([2, 5, 2, 2, 2])
+            ], name  # fmt: skip
