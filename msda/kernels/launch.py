@@ -278,7 +278,7 @@ def forward_call(
     constexprs = _forward_constexprs(
         int(L), int(K), int(M), int(D), value.dtype, compute_dtype(value, sampling_locations, attention_weights),
         register_target(value.device), every_pixel_a_query(Q, S), needs_int64(value, sampling_locations, out),
-        level_start_index is not None, softmax, _pairs_readable(value), config,
+        level_start_index is not None, softmax, _pairs_readable(value), config or forward_config,
     )  # fmt: skip
     grid = (_cdiv(Q, constexprs["BLOCK_Q"]) * B * M,)
     starts = spatial_shapes if level_start_index is None else level_start_index  # unread if None
@@ -287,13 +287,16 @@ def forward_call(
 
 
 # The settings of a launch are a function of these few facts of a call, so they are computed once
-# for each: building them took about half of an eager forward call's Python (bench/NOTES.md entry 42).
+# for each: building them took about half of an eager forward call's Python (bench/NOTES.md entry
+# 42). `config` is a TileConfig or the launch rule that gives one: a parameter, so that another
+# rule (the tests replace it) is a key of its own.
 @functools.lru_cache(maxsize=256)
 def _forward_constexprs(
     L: int, K: int, M: int, D: int, dtype: torch.dtype, compute, hopper: bool, every_pixel: bool, index_64: bool,
-    level_starts: bool, softmax: bool, pairs_readable: bool, config: TileConfig | None,
+    level_starts: bool, softmax: bool, pairs_readable: bool, config,
 ) -> dict:  # fmt: skip
-    config = config or forward_config(L, K, D, dtype, hopper and every_pixel)
+    if not isinstance(config, TileConfig):
+        config = config(L, K, D, dtype, hopper and every_pixel)
     constexprs = dict(config.constexprs(D, dtype.itemsize, K))
     constexprs.update(
         NUM_HEADS=M,
@@ -361,7 +364,7 @@ def backward_call(
         level_start_index is not None, softmax, fixed_point_scale is not None and not lists, replicas is not None,
         0 if lists else grad_value.element_size(), not lists and value_rows_evicted_first(grad_value, Q, S),
         0 if list_counters is None else list_rule(Q, S, value).count_stride,
-        config or (LIST_BACKWARD if lists else None),
+        config or (LIST_BACKWARD if lists else None) or backward_config,
     )  # fmt: skip
     if softmax and scratch is None:
         raise ValueError("backward_call: softmax=True needs a scratch tensor")
@@ -395,10 +398,12 @@ def backward_call(
 def _backward_constexprs(
     L: int, K: int, M: int, D: int, dtype: torch.dtype, compute, every_pixel: bool, index_64: bool,
     level_starts: bool, softmax: bool, fixed_point: bool, replicas: bool, accumulator_size: int,
-    value_evicted_first: bool, count_stride: int, config: TileConfig | None,
+    value_evicted_first: bool, count_stride: int, config,
 ) -> dict:  # fmt: skip
-    """backward_call's settings (accumulator_size: grad_value's element size, 0 for the lists)."""
-    config = config or backward_config(L, K, D, dtype, every_pixel, lists=accumulator_size == 0)
+    """backward_call's settings (accumulator_size: grad_value's element size, 0 for the lists; config:
+    a TileConfig or the launch rule, as for `_forward_constexprs`)."""
+    if not isinstance(config, TileConfig):
+        config = config(L, K, D, dtype, every_pixel, **({"lists": True} if accumulator_size == 0 else {}))
     constexprs = dict(config.constexprs(D, dtype.itemsize, K))
     constexprs.update(
         NUM_HEADS=M,
