@@ -7,6 +7,7 @@ from unittest import mock
 import pytest
 import torch
 
+import msda
 from msda import ops, torch_impl
 from msda.kernels.backward import SAMPLES_PER_REPLICA, grad_value_accumulator_dtype, replica_rows
 from msda.testing import PRESETS, make_inputs
@@ -113,3 +114,29 @@ def test_deterministic_mode_gives_bitwise_identical_gradients(deterministic_algo
             for name, a, b in zip(("output", "grad_value", "grad_loc", "grad_attn"), first, again):
                 assert torch.equal(a, b), f"run {run + 2}: {name} differs"
     assert pure_pytorch.call_count == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=lambda d: str(d).removeprefix("torch."))
+def test_eager_calls_on_misaligned_views(dtype):
+    """Contiguous views one element past an allocation (data pointers not 16-byte aligned) are not
+    what the eager path's cached kernels were compiled for (msda/kernels/direct.py): they take
+    Triton's JIT path, and give the aligned call's output, bit for bit, and gradients within the
+    bounds; an aligned call after them does too."""
+    inputs = make_inputs(PRESETS["decoder"], dtype, "cuda", seed=12)
+    grad_output = random_like_output(inputs)
+    tensors = (inputs.value, inputs.sampling_locations, inputs.attention_weights)
+
+    def shifted(t):  # the same values, one element past a fresh allocation
+        return torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape).copy_(t)
+
+    def results(value, loc, attn):
+        leaves = [t.requires_grad_() for t in (value, loc, attn)]
+        out = msda.multi_scale_deformable_attention(value, inputs.spatial_shapes, inputs.level_start_index, loc, attn)
+        return (out.detach(), *torch.autograd.grad(out, leaves, grad_output))
+
+    aligned = results(*(t.detach().clone() for t in tensors))
+    views = [shifted(t) for t in tensors]
+    assert all(v.is_contiguous() and v.data_ptr() % 16 for v in views)
+    for got in (results(*views), results(*(t.detach().clone() for t in tensors))):
+        torch.testing.assert_close(got[0], aligned[0], rtol=0, atol=0)
+        assert_matches_reference(inputs, got, grad_output)
