@@ -68,12 +68,14 @@ def rows(shape: Shape, dtype: torch.dtype, chain: int, device: str = "cuda") -> 
         v, l, a = leaves
         return lambda: torch.autograd.grad(op(v, shapes, level_starts, l, a), leaves, grad)
 
-    def chained(op):
-        v, l, a = leaves
+    # Each of the chain's calls has leaves of its own, as a model's layers do: one value shared by
+    # them all would time the engine summing its gradients (a 91 MB add a call at the decoder).
+    layers = [[t.detach().clone().requires_grad_() for t in leaves] for _ in range(chain)]
 
+    def chained(op):
         def call():
-            total = sum(op(v, shapes, starts, l, a) for _ in range(chain))
-            return torch.autograd.grad(total, leaves, grad)
+            total = sum(op(v, shapes, starts, l, a) for v, l, a in layers)
+            return torch.autograd.grad(total, [t for layer in layers for t in layer], grad)
 
         return call
 
