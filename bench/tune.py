@@ -16,10 +16,11 @@ variant's output checked against the float64 reference in the same run, and the 
 beside it when importable. bench/NOTES.md logs what the sweeps chose.
 
 --lists times the deterministic mode's backward (kernels/deterministic.py) at each gather tile
-ROWS,ENTRIES[,COUNT_STRIDE[,WARPS[,JOINED]]] (launch.LIST_ROWS, launch.LIST_ENTRIES,
+ROWS,ENTRIES[,COUNT_STRIDE[,WARPS[,JOINED[,SORTED]]]] (launch.LIST_ROWS, launch.LIST_ENTRIES,
 launch.LIST_COUNT_STRIDE, launch.LIST_WARPS: a gather program's warps, launch.LIST_JOINED: 1 to
 walk a row's two runs one after the other, an entry a step loaded a step ahead, ENTRIES unread;
-0 side by side; the rule's where not given), against the
+0 side by side; launch.LIST_SORTED: 1 to sort the lists and sum them in float32; the rule's
+where not given), against the
 default atomic backward and the 64-bit atomic fixed-point path it replaces, each checked against
 the float64 reference; --lists-backward times it at the first --lists tile with its backward kernel
 (which leaves grad_value to the lists) at each forward-style tile given (launch.LIST_BACKWARD).
@@ -102,13 +103,14 @@ def backward_launch(inputs, grad_output, tile: launch.TileConfig, accumulator: t
 def _set_list_overrides(tile: tuple[int, ...]) -> None:
     """launch.LIST_* from a --lists tile; the rule's where the tile stops short."""
     (launch.LIST_ROWS, launch.LIST_ENTRIES, launch.LIST_COUNT_STRIDE, launch.LIST_WARPS,
-     joined) = (*tile, None, None, None)[:5]  # fmt: skip
+     joined, sorted_sums) = (*tile, None, None, None, None)[:6]  # fmt: skip
     launch.LIST_JOINED = None if joined is None else bool(joined)
+    launch.LIST_SORTED = None if sorted_sums is None else bool(sorted_sums)
 
 
 def deterministic_launch(inputs, grad_output, tile: tuple[int, ...] | None):
     """(a callable running the deterministic mode's backward, the three gradients it last gave):
-    tile (rows, entries[, count stride[, warps[, joined]]]): the lists at that gather tile, its
+    tile (rows, entries[, count stride[, warps[, joined[, sorted]]]]): the lists at that gather tile, its
     overrides set for the launches built here and left set; None: the 64-bit atomic fixed-point
     path (an int64 grad_value zeroed, added into, converted)."""
     value, shapes, starts, loc, attn = inputs.args()
@@ -184,8 +186,10 @@ def _list_tile(text: str) -> tuple[int, ...]:
         tile = tuple(int(n) for n in text.split(","))
     except ValueError:
         tile = ()
-    if len(tile) not in (2, 3, 4, 5) or min(tile[:4]) < 1 or tile[4:] not in ((), (0,), (1,)):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected ROWS,ENTRIES[,COUNT_STRIDE[,WARPS[,JOINED 0|1]]]")
+    if len(tile) not in (2, 3, 4, 5, 6) or min(tile[:4]) < 1 or any(flag not in (0, 1) for flag in tile[4:]):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected ROWS,ENTRIES[,COUNT_STRIDE[,WARPS[,JOINED 0|1[,SORTED 0|1]]]]"
+        )
     return tile
 
 
@@ -259,7 +263,7 @@ def main() -> None:
                     run, _ = backward_launch(inputs, grad, launch.backward_config(4, 4, D, dtype, encoder))
                     line = [f"atomic: {graph_device_time(run, calls=10, replays=5).median_us:.1f}"]
                     overrides = (launch.LIST_ROWS, launch.LIST_ENTRIES, launch.LIST_COUNT_STRIDE, launch.LIST_WARPS,
-                                 launch.LIST_JOINED)  # fmt: skip
+                                 launch.LIST_JOINED, launch.LIST_SORTED)  # fmt: skip
                     for tile in [None, *opts.lists]:
                         run, grads = deterministic_launch(inputs, grad, tile)
                         t = graph_device_time(run, calls=10, replays=5)
@@ -276,7 +280,7 @@ def main() -> None:
                         line.append(f"backward {_name(backward_tile)}: {t.median_us:.1f} ({worst:.0e})")
                     launch.LIST_BACKWARD = None
                     (launch.LIST_ROWS, launch.LIST_ENTRIES, launch.LIST_COUNT_STRIDE, launch.LIST_WARPS,
-                     launch.LIST_JOINED) = overrides  # fmt: skip
+                     launch.LIST_JOINED, launch.LIST_SORTED) = overrides  # fmt: skip
                     print(f"deterministic {cell} | " + "  ".join(line), flush=True)
                 del inputs
                 torch.cuda.empty_cache()

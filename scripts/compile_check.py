@@ -55,6 +55,7 @@ from msda.kernels.deterministic import (  # noqa: E402
     msda_fixed_point_scale_kernel,
     msda_gather_grad_value_kernel,
     msda_sample_lists_kernel,
+    msda_sort_lists_kernel,
 )
 from msda.kernels.forward import msda_forward_kernel  # noqa: E402
 
@@ -90,6 +91,8 @@ OUTPUTS = {("msda_forward_kernel", False): ["out_ptr"],
 def outputs(kernel, constexprs: dict, softmax: bool) -> list[str]:
     if kernel is msda_sample_lists_kernel:  # counting, then listing
         return ["counts_ptr", "entries_ptr", "weights_ptr"]
+    if kernel is msda_sort_lists_kernel:
+        return ["sorted_ptr"]
     if kernel is msda_gather_grad_value_kernel:
         return ["grad_value_ptr"]
     if kernel is msda_fixed_point_scale_kernel:

@@ -7,7 +7,7 @@ from torch import Tensor
 
 import msda
 from msda.kernels import backward as backward_kernel
-from msda.kernels import launch
+from msda.kernels import deterministic, launch
 from msda.testing import Inputs, reference_with_grads, relative_error, tolerance
 
 GRAD_NAMES = ("output", "grad_value", "grad_sampling_locations", "grad_attention_weights")
@@ -81,3 +81,32 @@ def listed_grad_value(run, grad_output: Tensor, value, shapes, starts, loc, attn
     listed = launch.deterministic_grad_value(run, counters, grad_output, value, shapes, starts, loc, attn)
     assert not counters[:-3].any()  # the lists' pass took every count back down: each listed as counted
     return listed
+
+
+def sorted_lists_grad_value(grad_output: Tensor, value, shapes, starts, loc, attn, seed: int | None = None):
+    """(grad_value, longest list) of the deterministic mode with its lists sorted (`ListRule.sorted_sums`),
+    each list's slots shuffled first (seed None: as the lists' kernel took them); asserts that
+    the sort kernel wrote each list in ascending order, a permutation of its entries."""
+    longest = []
+
+    def run(kernel, grid, args, constexprs):
+        if kernel is deterministic.msda_sort_lists_kernel:
+            ends, all_entries, all_listed = args[:3]
+            lengths = torch.diff(ends, prepend=ends.new_zeros(1)).long()
+            which = torch.repeat_interleave(torch.arange(len(ends), device=ends.device), lengths)
+            entries, listed = all_entries[: len(which)], all_listed[: len(which)]  # (samples not listed: none)
+            if seed is not None:  # a random order within each list, the lists in place
+                gen = torch.Generator().manual_seed(seed)
+                order = torch.argsort(which.cpu().double() + torch.rand(len(which), generator=gen, dtype=torch.float64))
+                entries.copy_(entries[order.to(entries.device)])
+            longest.append(int(lengths.max()) if len(lengths) else 0)
+            kernel[grid](*args, **constexprs)
+            by_entry = torch.argsort(entries, stable=True)
+            expected = entries[by_entry][torch.argsort(which[by_entry], stable=True)]  # by list, then entry
+            assert torch.equal(listed, expected), "each list sorted, a permutation of its entries"
+            return
+        kernel[grid](*args, **constexprs)
+
+    listed = listed_grad_value(run, grad_output, value, shapes, starts, loc, attn)
+    assert longest, "the rule sorted the lists"
+    return listed, longest[0]

@@ -299,10 +299,11 @@ def test_tune_tiles_positional_and_named():
 
 def test_tune_list_tiles():
     """bench.tune --lists: rows and entries, optionally the counters' spacing, the gather's
-    warps and whether it joins a row's runs (0 or 1)."""
+    warps, whether it joins a row's runs and whether the lists are sorted (0 or 1 each)."""
     assert _list_tile("4,2") == (4, 2) and _list_tile("8,2,1") == (8, 2, 1)
     assert _list_tile("16,2,1,1") == (16, 2, 1, 1) and _list_tile("32,1,1,1,0") == (32, 1, 1, 1, 0)
-    for bad in ("4", "4,x", "0,2", "1,2,3,4,5", "1,2,3,4,1,1"):
+    assert _list_tile("32,1,1,1,1,1") == (32, 1, 1, 1, 1, 1)
+    for bad in ("4", "4,x", "0,2", "1,2,3,4,5", "1,2,3,4,1,2", "1,2,3,4,1,1,1"):
         with pytest.raises(argparse.ArgumentTypeError, match=bad):
             _list_tile(bad)
 

@@ -15,7 +15,7 @@ import torch
 from msda import torch_impl
 from msda.kernels import backward as backward_kernel
 from msda.kernels import launch
-from msda.testing import Shape, make_inputs
+from msda.testing import Shape, make_inputs, reference_with_grads, relative_error, tolerance
 
 from .helpers import (
     assert_matches_reference,
@@ -23,6 +23,7 @@ from .helpers import (
     forward_backward,
     listed_grad_value,
     random_like_output,
+    sorted_lists_grad_value,
 )
 from .test_edge_cases import backend, needs_interpreter
 
@@ -68,15 +69,26 @@ def test_float64_deterministic_takes_the_pure_pytorch_backward(deterministic_alg
 
 @interpreted
 @pytest.mark.parametrize("bad", [math.inf, math.nan])
-def test_non_finite_grad_output_makes_grad_value_nan(deterministic_algorithms, bad):
-    """Integers carry no inf or NaN: a non-finite grad_output anywhere makes every grad_value
-    element NaN (docs/contract.md), never finite numbers."""
-    inputs = make_inputs(SHAPE, seed=7)
+@pytest.mark.parametrize("queries, sorted_lists", [(5, False), (16, False), (5, True)],
+                         ids=["decoder", "encoder", "decoder-sorted-lists"])  # fmt: skip
+def test_non_finite_grad_output_in_grad_value(monkeypatch, deterministic_algorithms, bad, queries, sorted_lists):
+    """docs/contract.md: a non-finite grad_output anywhere makes every grad_value element NaN where
+    the lists are summed in fixed point (the rule: integers carry no inf or NaN); summed in float32
+    (launch.LIST_SORTED), it reaches the rows the default mode's does."""
+    monkeypatch.setattr(launch, "LIST_SORTED", sorted_lists)
+    shape = Shape(1, queries, 2, 4, ((3, 4), (2, 2)), 2)  # S = 16: queries == 16 is an encoder
+    inputs = make_inputs(shape, seed=7)
     grad_output = random_like_output(inputs)
     grad_output[0, 1, 3] = bad
     with backend("triton"):
         _, grad_value, _, _ = forward_backward(inputs, grad_output)
-    assert grad_value.isnan().all()
+        torch.use_deterministic_algorithms(False)
+        _, default, _, _ = forward_backward(inputs, grad_output)
+    if not sorted_lists:
+        assert grad_value.isnan().all()
+    else:
+        assert default.isfinite().any() and not default.isfinite().all()
+        assert torch.equal(grad_value.isfinite(), default.isfinite())
 
 
 @pytest.mark.parametrize("largest", [0.0, 1e-30, 3e-5, 1.0, 7.5e3, 3e30])
@@ -183,6 +195,29 @@ def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, dtype, r
     atomic = atomic_fixed_point_grad_value(grad_output, value, shapes, overlapping, loc, attn)
     listed = listed_grad_value(run, grad_output, value, shapes, overlapping, loc, attn)
     assert torch.equal(listed, atomic) and atomic[:, 2:6].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype, joined", [(torch.float32, None), (torch.float16, None), (torch.float32, False)],
+                         ids=["float32-rule", "float16-rule", "float32-side-by-side"])  # fmt: skip
+@interpreted
+def test_sorted_lists_sum_the_same_bits_in_any_slot_order(monkeypatch, dtype, joined):
+    """The lists sorted (launch.LIST_SORTED; not the rule) and summed in float32 give the same bits
+    whatever order the lists' slots were taken in (shuffled here: on a GPU the atomics decide
+    it), with level starts given or summed, within the float64 oracle's bound; with a list longer
+    than the sort kernel's chunk (a 1 x 1 level under every query), and a row's runs side by side."""
+    shape = Shape(2, 7, 2, 6, ((3, 4), (2, 2), (1, 1)), 3)
+    inputs = make_inputs(shape, dtype, outside_fraction=0.25, seed=9)
+    grad_output = random_like_output(inputs)
+    value, shapes, starts, loc, attn = inputs.args()
+    assert not launch.list_rule(7, shape.num_values, value).sorted_sums  # the rule: fixed point
+    monkeypatch.setattr(launch, "LIST_JOINED", joined)
+    monkeypatch.setattr(launch, "LIST_SORTED", True)
+    first, longest = sorted_lists_grad_value(grad_output, value, shapes, starts, loc, attn)
+    assert longest > launch.SORT_CHUNK
+    for seed, given in ((1, starts), (2, None)):
+        again, _ = sorted_lists_grad_value(grad_output, value, shapes, given, loc, attn, seed)
+        assert torch.equal(again, first)
+    assert relative_error(first, reference_with_grads(inputs, grad_output)[1]) <= tolerance(dtype)
 
 
 def test_fill_skipped_only_inside_and_only_when_asked(deterministic_algorithms):

@@ -1,9 +1,12 @@
-"""The deterministic mode's grad_value without atomic adds on it (bench/NOTES.md entries 35-38).
+"""The deterministic mode's grad_value without atomic adds on it (bench/NOTES.md entries 35-42).
 
-Under torch.use_deterministic_algorithms(True) grad_value is summed in 64-bit fixed point
-(backward.py: `fixed_point_scale`). The backward kernel could add the integers with atomics, but
-PTX has no vector integer atomic: one 64-bit atomic a channel, four times the float32 path's
-instructions. Instead each value row gathers its own contributions from lists of samples:
+Under torch.use_deterministic_algorithms(True) grad_value must come out the same, bit for bit, in
+every run. An encoder's is summed in 64-bit fixed point (backward.py: `fixed_point_scale`):
+integers, the same sum in any order. The backward kernel could add them with atomics, but PTX
+has no vector integer atomic: one 64-bit atomic a channel, four times the float32 path's
+instructions. Instead each value row gathers its own contributions from lists of samples (or,
+with launch.LIST_SORTED, not the rule yet: sorts the lists first and sums them in float32 in
+their order, SORTED_SUMS):
 
 1. The backward kernel (COUNT_STRIDE) adds 1 to an int32 count per list for each sample that
    touches its level. A sample is listed once, under its top-left corner's row (batch, head,
@@ -18,7 +21,12 @@ instructions. Instead each value row gathers its own contributions from lists of
    within a list varies run to run. It places each sample as the backward kernel did when it
    counted (sampling.place_sample, the same masks): one sample counted and not listed, or the
    reverse, would put another's entry in the wrong list.
-3. `msda_gather_grad_value_kernel` takes ROWS rows (consecutive pixels of one head) a program.
+3. With SORTED_SUMS, `msda_sort_lists_kernel` writes each list in ascending order (into a copy):
+   the order no longer depends on the slots'. A decoder's gather in float32 takes two thirds of
+   its time in fixed point, but this sort costs more than that saves (bench/NOTES.md entry 42);
+   an encoder's lists, hundreds of entries long on its coarse levels, would cost n * n
+   comparisons each.
+4. `msda_gather_grad_value_kernel` takes ROWS rows (consecutive pixels of one head) a program.
    A row at (y, x) is the top-left corner of the samples listed under it, the top-right one of
    those under (y, x - 1), the bottom corners of those under (y - 1, x) and (y - 1, x - 1):
    lists that sit side by side in pairs, (x - 1, x), so two runs of entries a row. It walks them
@@ -26,11 +34,11 @@ instructions. Instead each value row gathers its own contributions from lists of
    JOINED, one after the other, an entry a step (decoders): each entry's corner weight
    times its query's grad_output row, rounded to fixed point, summed as integers in registers:
    the same sum in any order, so the slot order does not matter, and the result is the atomic
-   fixed-point path's to the bit. It writes grad_value once, in the value's dtype: nothing to
-   zero.
+   fixed-point path's to the bit; with SORTED_SUMS, added in float32 in the sorted lists'
+   order. It writes grad_value once, in the value's dtype: nothing to zero.
 
-`msda_fixed_point_scale_kernel` computes the scale (`backward.fixed_point_scale`) first, in one
-launch.
+`msda_fixed_point_scale_kernel` computes the fixed point's scale (`backward.fixed_point_scale`)
+first, in one launch.
 
 The backward kernel computes the other two gradients as usual (GRAD_VALUE=False).
 """
@@ -117,6 +125,48 @@ def msda_sample_lists_kernel(
             start += h * w
 
 
+@triton.jit(do_not_specialize=["num_lists"])
+def msda_sort_lists_kernel(
+    ends_ptr,  # (num_lists,) where each list ends (`msda_sample_lists_kernel`)
+    entries_ptr,  # the lists, in the order their slots were taken
+    sorted_ptr,  # like entries: written, each list in ascending order
+    num_lists,
+    LISTS: tl.constexpr,  # lists a program
+    CHUNK: tl.constexpr,  # entries of a list compared with CHUNK others at a time
+    INDEX_64: tl.constexpr,
+):
+    """Each list in ascending order, so that the gather's float32 sums add its entries in an order
+    that does not depend on the order the slots were taken in (SORTED_SUMS). A list holds each
+    entry once (a sample is listed under one pixel), so an entry's place is the number of its
+    list's entries below it, counted CHUNK at a time: n * n comparisons for a list of n entries,
+    a few for a decoder's lists (most hold none or one)."""
+    pid = tl.program_id(0)
+    if INDEX_64:
+        pid = pid.to(tl.int64)
+    lists = pid * LISTS + tl.arange(0, LISTS)
+    ok = lists < num_lists
+    end = tl.load(ends_ptr + lists, mask=ok, other=0)
+    start = tl.load(ends_ptr + lists - 1, mask=ok & (lists > 0), other=0)
+    length = (end - start)[:, None]  # [LISTS, 1]
+    first = start[:, None]
+    longest = tl.max(end - start, axis=0)
+    column = tl.arange(0, CHUNK)[None, :]
+    placed = longest * 0
+    while placed < longest:  # (bounds loaded from memory: while loops, which the interpreter runs too)
+        mine = placed + column < length  # [LISTS, CHUNK]
+        entry = tl.load(entries_ptr + first + placed + column, mask=mine, other=0)
+        rank = tl.zeros([LISTS, CHUNK], dtype=tl.int32)
+        compared = longest * 0
+        while compared < longest:
+            theirs = compared + column < length
+            other = tl.load(entries_ptr + first + compared + column, mask=theirs, other=0)
+            below = (other[:, None, :] < entry[:, :, None]) & theirs[:, None, :]  # [LISTS, CHUNK, CHUNK]
+            rank += tl.sum(below.to(tl.int32), axis=2)
+            compared += CHUNK
+        tl.store(sorted_ptr + first + rank, entry, mask=mine)
+        placed += CHUNK
+
+
 @triton.jit(
     do_not_specialize=["grad_out_stride_b", "grad_out_stride_q", "num_queries", "num_values", "num_lists"]
 )
@@ -129,7 +179,7 @@ def msda_gather_grad_value_kernel(
     ends_ptr,  # (B * M * S,) int32 (int64 if INDEX_64): where each list ends (`msda_sample_lists_kernel`)
     entries_ptr,  # the lists
     weights_ptr,  # each corner's weight, at its sample's index times 4 plus the corner
-    scales_ptr,  # float32 (2,): the fixed-point scale 2**e and 2**-e (`msda_fixed_point_scale_kernel`)
+    scales_ptr,  # float32 (2,): the fixed-point scale 2**e and 2**-e (`msda_fixed_point_scale_kernel`); unread with SORTED_SUMS
     grad_value_ptr,  # (B, S, M, D) in the value's dtype: written whole
     num_queries,
     num_values,
@@ -147,6 +197,7 @@ def msda_gather_grad_value_kernel(
     BLOCK_L: tl.constexpr,  # NUM_LEVELS's next power of two
     ROWS_ALIGNED: tl.constexpr,  # grad_out's rows start at multiples of 16 elements (both strides are)
     JOINED: tl.constexpr,  # a row's two runs one after the other, one entry a step, loaded a step ahead
+    SORTED_SUMS: tl.constexpr,  # lists in ascending order (`msda_sort_lists_kernel`): float32 sums in their order
 ):
     pid = tl.program_id(0)
     if INDEX_64:
@@ -165,8 +216,12 @@ def msda_gather_grad_value_kernel(
     channel = tl.arange(0, BLOCK_D)[None, :]
     d_ok = channel < HEAD_DIM
     head_channel = (bm % NUM_HEADS) * HEAD_DIM + channel  # [1, BLOCK_D]
-    scale = tl.load(scales_ptr)
-    total = tl.zeros([ROWS, BLOCK_D], dtype=tl.int64)
+    if SORTED_SUMS:  # the same sum in the same order every run: float32 will do
+        scale = 1.0
+        total = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    else:  # any order: 64-bit fixed point
+        scale = tl.load(scales_ptr)
+        total = tl.zeros([ROWS, BLOCK_D], dtype=tl.int64)
     # The levels' shapes and starts in one round trip, and which levels the program's pixels
     # meet: a loop that loaded them level by level waited on each load in turn.
     levels = tl.arange(0, BLOCK_L)
@@ -216,7 +271,8 @@ def msda_gather_grad_value_kernel(
                     total = _add_entry(total, entry, index, tl.where(second, mid1, mid0), tl.where(second, end1, end0),
                                        tl.where(second, 1, 0), level, grad_out_ptr, grad_out_stride_b,
                                        grad_out_stride_q, weights_ptr, head_channel, d_ok, scale, num_queries,
-                                       NUM_HEADS, NUM_LEVELS, NUM_POINTS, BATCHES_FOLLOW, ROWS_ALIGNED)  # fmt: skip
+                                       NUM_HEADS, NUM_LEVELS, NUM_POINTS, BATCHES_FOLLOW, ROWS_ALIGNED,
+                                       SORTED_SUMS)  # fmt: skip
                     entry = next_entry
                     index = ahead
                     done += 1
@@ -227,14 +283,18 @@ def msda_gather_grad_value_kernel(
                         total = _add_entry(total, tl.load(entries_ptr + index0, mask=index0 < end0, other=0), index0,
                                            mid0, end0, 0, level, grad_out_ptr, grad_out_stride_b, grad_out_stride_q,
                                            weights_ptr, head_channel, d_ok, scale, num_queries,
-                                           NUM_HEADS, NUM_LEVELS, NUM_POINTS, BATCHES_FOLLOW, ROWS_ALIGNED)  # fmt: skip
+                                           NUM_HEADS, NUM_LEVELS, NUM_POINTS, BATCHES_FOLLOW, ROWS_ALIGNED,
+                                           SORTED_SUMS)  # fmt: skip
                         total = _add_entry(total, tl.load(entries_ptr + index1, mask=index1 < end1, other=0), index1,
                                            mid1, end1, 1, level, grad_out_ptr, grad_out_stride_b, grad_out_stride_q,
                                            weights_ptr, head_channel, d_ok, scale, num_queries,
-                                           NUM_HEADS, NUM_LEVELS, NUM_POINTS, BATCHES_FOLLOW, ROWS_ALIGNED)  # fmt: skip
+                                           NUM_HEADS, NUM_LEVELS, NUM_POINTS, BATCHES_FOLLOW, ROWS_ALIGNED,
+                                           SORTED_SUMS)  # fmt: skip
                     done += ENTRIES
-    # backward.from_fixed_point's conversion: the integer rounded once to float32, times 2**-e.
-    grad = total.to(tl.float32) * tl.load(scales_ptr + 1)
+    if SORTED_SUMS:
+        grad = total
+    else:  # backward.from_fixed_point's conversion: the integer rounded once to float32, times 2**-e.
+        grad = total.to(tl.float32) * tl.load(scales_ptr + 1)
     value_row = ((bm // NUM_HEADS) * num_values + pixel) * NUM_HEADS + bm % NUM_HEADS  # (b, pixel, m)
     tl.store(
         grad_value_ptr + value_row[:, None] * HEAD_DIM + channel,
@@ -263,10 +323,11 @@ def _joined_index(step, first0, first1, length0):
 def _add_entry(
     total, entry, index, mid, end, dy_listed, level, grad_out_ptr, grad_out_stride_b, grad_out_stride_q,
     weights_ptr, head_channel, d_ok, scale, num_queries, NUM_HEADS: tl.constexpr, NUM_LEVELS: tl.constexpr,
-    NUM_POINTS: tl.constexpr, BATCHES_FOLLOW: tl.constexpr, ROWS_ALIGNED: tl.constexpr,
+    NUM_POINTS: tl.constexpr, BATCHES_FOLLOW: tl.constexpr, ROWS_ALIGNED: tl.constexpr, SORTED_SUMS: tl.constexpr,
 ):  # fmt: skip
-    """total plus, for each row, the fixed-point contribution of `entry`, loaded from `index` of
-    its run (none past `end`), a sample of `level` listed dy_listed image rows above the row's."""
+    """total plus, for each row, the contribution of `entry` (in float32 with SORTED_SUMS, else in
+    fixed point), loaded from `index` of its run (none past `end`), a sample of `level` listed
+    dy_listed image rows above the row's."""
     ok = index < end
     # The row is corner (dx, dy) = (index < mid, dy_listed) of the listed pixel, which is the
     # sample's corner (flags): the sample's corner 2 * dy + dx + flags, at the weight entry +
@@ -292,6 +353,8 @@ def _add_entry(
         # channel is a load of its own (a 2-byte load a bfloat16 channel), not one vector a thread.
         row = tl.multiple_of(row, 16)
     grad_out = tl.load(grad_out_ptr + row[:, None] + head_channel, mask=use[:, None] & d_ok, other=0.0)
+    if SORTED_SUMS:
+        return total + weight[:, None] * grad_out.to(weight.dtype)
     # The backward kernel's fixed point: round-toward-zero(weight * grad_out * scale).
     return total + (weight[:, None] * grad_out.to(weight.dtype) * scale).to(tl.int64)
 
@@ -353,5 +416,6 @@ def msda_fixed_point_scale_kernel(
 KERNELS = (
     msda_fixed_point_scale_kernel,
     msda_sample_lists_kernel,
+    msda_sort_lists_kernel,
     msda_gather_grad_value_kernel,
 )

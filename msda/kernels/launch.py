@@ -22,7 +22,12 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .backward import FIXED_POINT_BITS, msda_backward_kernel
-from .deterministic import msda_fixed_point_scale_kernel, msda_gather_grad_value_kernel, msda_sample_lists_kernel
+from .deterministic import (
+    msda_fixed_point_scale_kernel,
+    msda_gather_grad_value_kernel,
+    msda_sample_lists_kernel,
+    msda_sort_lists_kernel,
+)
 from .forward import msda_forward_kernel
 
 
@@ -492,6 +497,7 @@ LIST_ENTRIES: int | None = None
 LIST_COUNT_STRIDE: int | None = None
 LIST_WARPS: int | None = None
 LIST_JOINED: bool | None = None
+LIST_SORTED: bool | None = None
 # The backward kernel's tile where it leaves grad_value to the lists (bench.tune); None: `backward_config`.
 LIST_BACKWARD: TileConfig | None = None
 
@@ -502,6 +508,7 @@ class ListRule(NamedTuple):
     count_stride: int  # int32 counters from one list's to the next
     warps: int  # a gather program's
     joined: bool  # a row's two runs one after the other, an entry a step, loaded a step ahead
+    sorted_sums: bool  # lists sorted, then summed in float32 in their order (else 64-bit fixed point)
 
 
 def list_rule(num_queries, num_values, value: Tensor) -> ListRule:
@@ -520,7 +527,13 @@ def list_rule(num_queries, num_values, value: Tensor) -> ListRule:
       10-20% slower (entry 41). Side by side, 2 entries a step, 2 or 4 warps lost 3-55% (entry 39);
     - the counters of an encoder 32 bytes apart, a sector each: its coarse levels' pixels each take
       about 330 samples of a head, spread over more L2 slices (float32 encoder 1548 against 1693
-      packed); a decoder's packed (178 against 189 us: less to zero, and few collide)."""
+      packed); a decoder's packed (178 against 189 us: less to zero, and few collide);
+    - the lists summed in 64-bit fixed point, not sorted (LIST_SORTED opts in): a decoder's gather
+      takes 30.7 us with sorted lists in float32 against 47-48 in fixed point (bfloat16; float16
+      31.7 against 48.6, float32 43.4 against 63.0 in a variant), but sorting them took 69.8 us
+      (`msda_sort_lists_kernel` as it is: n * n comparisons a list in a [64, 8, 8] tile, every
+      list with an entry; entry 42). An encoder's lists are long (hundreds of entries on its
+      coarse levels): they keep the fixed point in any case."""
     encoder = every_pixel_a_query(num_queries, num_values)
     half = value.element_size() == 2
     rows = LIST_ROWS or (4 if encoder else 32)
@@ -530,6 +543,7 @@ def list_rule(num_queries, num_values, value: Tensor) -> ListRule:
         LIST_COUNT_STRIDE or (8 if encoder else 1),
         LIST_WARPS or (_gather_warps(rows, value.shape[-1], value) if encoder else 1),
         (not encoder) if LIST_JOINED is None else LIST_JOINED,
+        bool(LIST_SORTED),
     )
 
 
@@ -558,8 +572,9 @@ def deterministic_grad_value(
     """The deterministic mode's grad_value by kernels/deterministic.py's launches, each made by
     `launch(kernel, grid, args, constexprs)` (the operator's through wrap_triton, the eager path's
     directly); tensors as for `backward_call`, the weights not logits; `counters` as the backward
-    kernel left them, with every list counted (`list_counters`). The fixed-point scale is
-    `backward.fixed_point_scale`'s, computed by a kernel of its own."""
+    kernel left them, with every list counted (`list_counters`). Where the rule sorts the lists
+    (`ListRule.sorted_sums`), the gather sums them in float32; else in 64-bit fixed point at
+    `backward.fixed_point_scale`'s scale, computed by a kernel of its own."""
     B, S, M, D = value.shape
     _, Q, _, L, K, _ = sampling_locations.shape
     L, K, M, D = int(L), int(K), int(M), int(D)
@@ -576,7 +591,9 @@ def deterministic_grad_value(
         weights = torch.empty((samples * 4,), dtype=torch.float64 if compute == tl.float64 else torch.float32,
                               device=device)  # fmt: skip
         grad_value = torch.empty(value.shape, dtype=value.dtype, device=device)
-    scales = fixed_point_scales(launch, grad_output, attention_weights, Q * L * K, maxima)
+        listed = torch.empty_like(entries) if rule.sorted_sums else entries  # the lists sorted into it
+    scales = weights if rule.sorted_sums else fixed_point_scales(launch, grad_output, attention_weights, Q * L * K,
+                                                                 maxima)  # (unread if sorted)  # fmt: skip
     starts = spatial_shapes if level_start_index is None else level_start_index  # unread if None
     lists = dict(
         NUM_HEADS=M,
@@ -595,6 +612,9 @@ def deterministic_grad_value(
     ends = counts[:: rule.count_stride].cumsum(0, dtype=index_dtype)
     launch(msda_sample_lists_kernel, grid, (spatial_shapes, starts, sampling_locations, attention_weights, counts,
                                             ends, entries, weights, Q, S), lists)  # fmt: skip
+    if rule.sorted_sums and num_lists > 0:
+        launch(msda_sort_lists_kernel, (_cdiv(num_lists, SORT_LISTS),), (ends, entries, listed, num_lists),
+               dict(LISTS=SORT_LISTS, CHUNK=SORT_CHUNK, INDEX_64=index_64, num_warps=SORT_WARPS))  # fmt: skip
     gather = dict(
         NUM_HEADS=M,
         HEAD_DIM=D,
@@ -609,14 +629,20 @@ def deterministic_grad_value(
         BLOCK_L=_next_power_of_2(L),
         ROWS_ALIGNED=grad_output.stride(0) % 16 == 0 and grad_output.stride(1) % 16 == 0,
         JOINED=rule.joined,
+        SORTED_SUMS=rule.sorted_sums,
         num_warps=rule.warps,
     )
-    args = (grad_output, grad_output.stride(0), grad_output.stride(1), spatial_shapes, starts, ends, entries, weights,
+    args = (grad_output, grad_output.stride(0), grad_output.stride(1), spatial_shapes, starts, ends, listed, weights,
             scales, grad_value, Q, S, num_lists)  # fmt: skip
     if num_lists > 0:
         launch(msda_gather_grad_value_kernel, (B * M * _cdiv(S, rule.rows),), args, gather)
     return grad_value
 
+
+# `msda_sort_lists_kernel`'s lists a program, entries compared at a time, and warps (not swept).
+SORT_LISTS = 64
+SORT_CHUNK = 8
+SORT_WARPS = 2
 
 SCALE_BLOCK = 4096  # elements of grad_output and of the weights a program of `msda_fixed_point_scale_kernel`
 

@@ -9,8 +9,9 @@ import torch
 
 import msda
 from msda import ops, torch_impl
+from msda.kernels import launch
 from msda.kernels.backward import SAMPLES_PER_REPLICA, grad_value_accumulator_dtype, replica_rows
-from msda.testing import PRESETS, make_inputs
+from msda.testing import PRESETS, make_inputs, reference_with_grads, relative_error, tolerance
 
 from ..helpers import (
     assert_matches_reference,
@@ -18,6 +19,7 @@ from ..helpers import (
     forward_backward,
     listed_grad_value,
     random_like_output,
+    sorted_lists_grad_value,
 )
 
 CASES = [
@@ -95,6 +97,25 @@ def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(preset, dtype, dist):
     )  # (asserts every sample listed as counted)
     assert torch.equal(listed, atomic)
     assert atomic.abs().amax() > 0
+
+
+@pytest.mark.parametrize("dist", ["uniform", "local", "one point"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sorted_lists_sum_the_same_bits_in_any_slot_order(monkeypatch, dtype, dist):
+    """At the decoder preset, the lists sorted and summed in float32 (launch.LIST_SORTED, not the
+    rule): shuffling each list's slots (the atomics' order) before the sort leaves the bits
+    unchanged, and grad_value is within the oracle's bound; "one point": every sample at one
+    location, 1,200 entries a list."""
+    monkeypatch.setattr(launch, "LIST_SORTED", True)
+    inputs = make_inputs(PRESETS["decoder"], dtype, "cuda", dist="uniform" if dist == "one point" else dist, seed=7)
+    if dist == "one point":
+        inputs.sampling_locations.fill_(0.43)
+    grad_output = random_like_output(inputs)
+    first, longest = sorted_lists_grad_value(grad_output, *inputs.args())
+    assert longest >= (1200 if dist == "one point" else 2)
+    again, _ = sorted_lists_grad_value(grad_output, *inputs.args(), seed=3)
+    assert torch.equal(again, first)
+    assert relative_error(first, reference_with_grads(inputs, grad_output)[1]) <= tolerance(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
