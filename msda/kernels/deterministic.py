@@ -132,38 +132,42 @@ def msda_sort_lists_kernel(
     sorted_ptr,  # like entries: written, each list in ascending order
     num_lists,
     LISTS: tl.constexpr,  # lists a program
-    CHUNK: tl.constexpr,  # entries of a list compared with CHUNK others at a time
+    CHUNK: tl.constexpr,  # entries of a list placed at a time
     INDEX_64: tl.constexpr,
 ):
     """Each list in ascending order, so that the gather's float32 sums add its entries in an order
     that does not depend on the order the slots were taken in (SORTED_SUMS). A list holds each
     entry once (a sample is listed under one pixel), so an entry's place is the number of its
-    list's entries below it, counted CHUNK at a time: n * n comparisons for a list of n entries,
-    a few for a decoder's lists (most hold none or one)."""
+    list's entries below it: n * n comparisons for a list of n entries. Most of a decoder's lists
+    hold none or one, copied through. Every tensor is [LISTS, 1] or [LISTS, CHUNK] in one layout:
+    no exchange between threads (a [LISTS, CHUNK, CHUNK] comparison took 255 registers, warp
+    shuffles and barriers, and 69.8 us at the decoder preset; bench/NOTES.md entry 42)."""
     pid = tl.program_id(0)
     if INDEX_64:
         pid = pid.to(tl.int64)
-    lists = pid * LISTS + tl.arange(0, LISTS)
+    lists = pid * LISTS + tl.arange(0, LISTS)[:, None]  # [LISTS, 1]
     ok = lists < num_lists
     end = tl.load(ends_ptr + lists, mask=ok, other=0)
     start = tl.load(ends_ptr + lists - 1, mask=ok & (lists > 0), other=0)
-    length = (end - start)[:, None]  # [LISTS, 1]
-    first = start[:, None]
-    longest = tl.max(end - start, axis=0)
+    length = end - start
+    single = length == 1
+    tl.store(sorted_ptr + start, tl.load(entries_ptr + start, mask=single, other=0), mask=single)
+    longest = tl.max(tl.max(length, axis=1), axis=0)
+    several = length > 1
     column = tl.arange(0, CHUNK)[None, :]
     placed = longest * 0
-    while placed < longest:  # (bounds loaded from memory: while loops, which the interpreter runs too)
-        mine = placed + column < length  # [LISTS, CHUNK]
-        entry = tl.load(entries_ptr + first + placed + column, mask=mine, other=0)
+    while placed < tl.where(longest > 1, longest, 0):  # (bounds from memory: while loops, which the interpreter runs)
+        mine = several & (placed + column < length)  # [LISTS, CHUNK]
+        entry = tl.load(entries_ptr + start + placed + column, mask=mine, other=0)
         rank = tl.zeros([LISTS, CHUNK], dtype=tl.int32)
         compared = longest * 0
         while compared < longest:
-            theirs = compared + column < length
-            other = tl.load(entries_ptr + first + compared + column, mask=theirs, other=0)
-            below = (other[:, None, :] < entry[:, :, None]) & theirs[:, None, :]  # [LISTS, CHUNK, CHUNK]
-            rank += tl.sum(below.to(tl.int32), axis=2)
-            compared += CHUNK
-        tl.store(sorted_ptr + first + rank, entry, mask=mine)
+            for ahead in tl.static_range(4):  # four loads in flight a step, not one
+                theirs = several & (compared + ahead < length)  # [LISTS, 1]
+                other = tl.load(entries_ptr + start + compared + ahead, mask=theirs, other=0)
+                rank += ((other < entry) & theirs).to(tl.int32)
+            compared += 4
+        tl.store(sorted_ptr + start + rank, entry, mask=mine)
         placed += CHUNK
 
 

@@ -531,9 +531,9 @@ def list_rule(num_queries, num_values, value: Tensor) -> ListRule:
     - the lists summed in 64-bit fixed point, not sorted (LIST_SORTED opts in): a decoder's gather
       takes 30.7 us with sorted lists in float32 against 47-48 in fixed point (bfloat16; float16
       31.7 against 48.6, float32 43.4 against 63.0 in a variant), but sorting them took 69.8 us
-      (`msda_sort_lists_kernel` as it is: n * n comparisons a list in a [64, 8, 8] tile, every
-      list with an entry; entry 42). An encoder's lists are long (hundreds of entries on its
-      coarse levels): they keep the fixed point in any case."""
+      (the sort kernel's first version: [64, 8, 8] comparisons at 255 registers; the 2-D one
+      after it is not measured yet; entry 42). An encoder's lists are long (hundreds of entries
+      on its coarse levels): they keep the fixed point in any case."""
     encoder = every_pixel_a_query(num_queries, num_values)
     half = value.element_size() == 2
     rows = LIST_ROWS or (4 if encoder else 32)
