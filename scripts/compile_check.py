@@ -107,13 +107,14 @@ def outputs(kernel, constexprs: dict, softmax: bool) -> list[str]:
 
 def kernel_calls(
     levels: int, points: int, head_dim: int, dtype: str, index_64: bool, index: torch.dtype, softmax: bool = False,
-    fixed_point: bool = True,
+    fixed_point: bool = True, sorted_lists: bool = False,
 ):
     """(kernel, positional arguments, constexprs) of the forward and the backward, as the
     operator builds them, on tiny CPU tensors; softmax: the softmax operators' calls (the
     backward with a scratch of its own, as msda::backward_softmax passes it), the backward with
     replicas of dense levels and the kernel folding them; fixed_point: the deterministic mode's
-    backward too (int64 grad_value; not for float64, which never runs it)."""
+    backward too (int64 grad_value; not for float64, which never runs it); sorted_lists: its
+    opt-in sorted lists besides (launch.LIST_SORTED: the sort kernel and the gather's float32 sums)."""
     value_dtype, loc_dtype, accumulator = DTYPES[dtype]
     B, S, M, Q = 1, 3, 2, 2
     value = torch.zeros(B, S, M, head_dim, dtype=value_dtype)
@@ -169,6 +170,16 @@ def kernel_calls(
                     lambda kernel, grid, args, constexprs: calls.append((kernel, args, constexprs)),
                     counters, out, value, shapes, starts, loc, attn,
                 )
+                if sorted_lists:
+                    launch.LIST_SORTED = True
+                    try:
+                        launch.deterministic_grad_value(
+                            lambda kernel, grid, args, constexprs: calls.append((kernel, args, constexprs))
+                            if kernel in (msda_sort_lists_kernel, msda_gather_grad_value_kernel) else None,
+                            counters, out, value, shapes, starts, loc, attn,
+                        )  # fmt: skip
+                    finally:
+                        launch.LIST_SORTED = None
     finally:
         launch.needs_int64, launch.register_target = needs_int64, register_target
     return calls
@@ -270,7 +281,8 @@ def main() -> int:
     ]:
         # The preset's kernels once more with their integer arguments as constants (see above).
         constant_ints = (levels, points, head_dim) == QUICK_SHAPES[0] and not index_64 and not is_timed
-        calls = kernel_calls(levels, points, head_dim, dtype, index_64, index, softmax, fixed_point=not is_timed)
+        calls = kernel_calls(levels, points, head_dim, dtype, index_64, index, softmax, fixed_point=not is_timed,
+                             sorted_lists=constant_ints and index == torch.int64)  # fmt: skip
         for kernel, args, constexprs in calls:
             what = (f"{kernel.__name__} {dtype} L={levels} K={points} D={head_dim} int64={index_64} shapes={index}"
                     f" softmax={softmax}")
