@@ -90,7 +90,7 @@ OUTPUTS = {("msda_forward_kernel", False): ["out_ptr"],
 
 def outputs(kernel, constexprs: dict, softmax: bool) -> list[str]:
     if kernel is msda_sample_lists_kernel:  # counting, then listing
-        return ["counts_ptr", "entries_ptr", "weights_ptr"]
+        return ["counts_ptr", "entries_ptr", "weights_ptr"] + (["slot_lists_ptr"] if constexprs["SLOT_LISTS"] else [])
     if kernel is msda_sort_lists_kernel:
         return ["sorted_ptr"]
     if kernel is msda_gather_grad_value_kernel:
@@ -174,8 +174,7 @@ def kernel_calls(
                     launch.LIST_SORTED = True
                     try:
                         launch.deterministic_grad_value(
-                            lambda kernel, grid, args, constexprs: calls.append((kernel, args, constexprs))
-                            if kernel in (msda_sort_lists_kernel, msda_gather_grad_value_kernel) else None,
+                            lambda kernel, grid, args, constexprs: calls.append((kernel, args, constexprs)),
                             counters, out, value, shapes, starts, loc, attn,
                         )  # fmt: skip
                     finally:

@@ -69,15 +69,18 @@ def test_float64_deterministic_takes_the_pure_pytorch_backward(deterministic_alg
 
 @interpreted
 @pytest.mark.parametrize("bad", [math.inf, math.nan])
-@pytest.mark.parametrize("queries, sorted_lists", [(5, False), (16, False), (5, True)],
-                         ids=["decoder", "encoder", "decoder-sorted-lists"])  # fmt: skip
-def test_non_finite_grad_output_in_grad_value(monkeypatch, deterministic_algorithms, bad, queries, sorted_lists):
+@pytest.mark.parametrize("queries, forced", [(5, None), (16, None), (5, False)],
+                         ids=["decoder", "encoder", "decoder-fixed-point"])  # fmt: skip
+def test_non_finite_grad_output_in_grad_value(monkeypatch, deterministic_algorithms, bad, queries, forced):
     """docs/contract.md: a non-finite grad_output anywhere makes every grad_value element NaN where
-    the lists are summed in fixed point (the rule: integers carry no inf or NaN); summed in float32
-    (launch.LIST_SORTED), it reaches the rows the default mode's does."""
-    monkeypatch.setattr(launch, "LIST_SORTED", sorted_lists)
+    the lists are summed in fixed point (an encoder's, by the rule: integers carry no inf or NaN);
+    where they are sorted and summed in float32 (a decoder's), it reaches the rows the default
+    mode's does."""
+    monkeypatch.setattr(launch, "LIST_SORTED", forced)
     shape = Shape(1, queries, 2, 4, ((3, 4), (2, 2)), 2)  # S = 16: queries == 16 is an encoder
     inputs = make_inputs(shape, seed=7)
+    sorted_lists = launch.list_rule(queries, shape.num_values, inputs.value).sorted_sums
+    assert sorted_lists == (queries == 5 and forced is None)
     grad_output = random_like_output(inputs)
     grad_output[0, 1, 3] = bad
     with backend("triton"):
@@ -159,7 +162,9 @@ def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, dtype, r
     with samples outside the levels and straddling their borders, and a level of one pixel; at
     the rule's gather tile (a decoder's, and an encoder's: every pixel a query) and at others
     (lists longer than a step, a program's rows past the last row, fewer warps than rows, a
-    row's two runs joined or side by side)."""
+    row's two runs joined or side by side). A decoder's lists are summed so only if not sorted
+    (the rule sorts them: `test_sorted_lists_sum_the_same_bits_in_any_slot_order`)."""
+    monkeypatch.setattr(launch, "LIST_SORTED", False)
     if rows is not None:
         monkeypatch.setattr(launch, "LIST_ROWS", rows)
         monkeypatch.setattr(launch, "LIST_ENTRIES", entries)
@@ -201,19 +206,18 @@ def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, dtype, r
                          ids=["float32-rule", "float16-rule", "float32-side-by-side"])  # fmt: skip
 @interpreted
 def test_sorted_lists_sum_the_same_bits_in_any_slot_order(monkeypatch, dtype, joined):
-    """The lists sorted (launch.LIST_SORTED; not the rule) and summed in float32 give the same bits
+    """The lists sorted (a decoder's, by the rule) and summed in float32 give the same bits
     whatever order the lists' slots were taken in (shuffled here: on a GPU the atomics decide
     it), with level starts given or summed, within the float64 oracle's bound; with a list longer
-    than the sort kernel's chunk (a 1 x 1 level under every query), and a row's runs side by side."""
+    than the sort kernel's step (a 1 x 1 level under every query), and a row's runs side by side."""
     shape = Shape(2, 7, 2, 6, ((3, 4), (2, 2), (1, 1)), 3)
     inputs = make_inputs(shape, dtype, outside_fraction=0.25, seed=9)
     grad_output = random_like_output(inputs)
     value, shapes, starts, loc, attn = inputs.args()
-    assert not launch.list_rule(7, shape.num_values, value).sorted_sums  # the rule: fixed point
+    assert launch.list_rule(7, shape.num_values, value).sorted_sums  # a decoder: the rule sorts
     monkeypatch.setattr(launch, "LIST_JOINED", joined)
-    monkeypatch.setattr(launch, "LIST_SORTED", True)
     first, longest = sorted_lists_grad_value(grad_output, value, shapes, starts, loc, attn)
-    assert longest > launch.SORT_CHUNK
+    assert longest > launch.SORT_AHEAD
     for seed, given in ((1, starts), (2, None)):
         again, _ = sorted_lists_grad_value(grad_output, value, shapes, given, loc, attn, seed)
         assert torch.equal(again, first)

@@ -61,6 +61,7 @@ def msda_sample_lists_kernel(
     counts_ptr,  # (B * M * S * COUNT_STRIDE,) int32: the backward kernel's counts, taken back down to zeros
     ends_ptr,  # (B * M * S,) the cumulative sum of the counts (int32, or int64 if INDEX_64)
     entries_ptr,  # (B * Q * M * L * K,) int32 or int64: the lists
+    slot_lists_ptr,  # like entries: each slot's list, written if SLOT_LISTS
     weights_ptr,  # (B * Q * M * L * K * 4,) in COMPUTE: each corner's weight
     num_queries,
     num_values,
@@ -73,6 +74,7 @@ def msda_sample_lists_kernel(
     INDEX_64: tl.constexpr,
     LEVEL_STARTS: tl.constexpr,  # False: sum the level sizes
     COUNT_STRIDE: tl.constexpr,  # counters this many int32 apart (launch.LIST_COUNT_STRIDE says why)
+    SLOT_LISTS: tl.constexpr,  # write each slot's list too, for `msda_sort_lists_kernel`
 ):
     pid = tl.program_id(0)
     if INDEX_64:
@@ -121,6 +123,8 @@ def msda_sample_lists_kernel(
         flags = tl.where(x0 < 0, CLAMPED_X, 0) + tl.where(y0 < 0, CLAMPED_Y, 0)
         entry = param * 4 + flags
         tl.store(entries_ptr + slot, entry.to(entries_ptr.dtype.element_ty), mask=listed)
+        if SLOT_LISTS:
+            tl.store(slot_lists_ptr + slot, (first_list + pixel).to(slot_lists_ptr.dtype.element_ty), mask=listed)
         if not LEVEL_STARTS:
             start += h * w
 
@@ -130,45 +134,39 @@ def msda_sort_lists_kernel(
     ends_ptr,  # (num_lists,) where each list ends (`msda_sample_lists_kernel`)
     entries_ptr,  # the lists, in the order their slots were taken
     sorted_ptr,  # like entries: written, each list in ascending order
+    slot_lists_ptr,  # like entries: each slot's list (`msda_sample_lists_kernel`, SLOT_LISTS)
     num_lists,
-    LISTS: tl.constexpr,  # lists a program
-    CHUNK: tl.constexpr,  # entries of a list placed at a time
+    BLOCK: tl.constexpr,  # slots a program
+    AHEAD: tl.constexpr,  # entries of its list a slot compares with a step: loads in flight together
     INDEX_64: tl.constexpr,
 ):
     """Each list in ascending order, so that the gather's float32 sums add its entries in an order
     that does not depend on the order the slots were taken in (SORTED_SUMS). A list holds each
     entry once (a sample is listed under one pixel), so an entry's place is the number of its
-    list's entries below it: n * n comparisons for a list of n entries. Most of a decoder's lists
-    hold none or one, copied through. Every tensor is [LISTS, 1] or [LISTS, CHUNK] in one layout:
-    no exchange between threads (a [LISTS, CHUNK, CHUNK] comparison took 255 registers, warp
-    shuffles and barriers, and 69.8 us at the decoder preset; bench/NOTES.md entry 42)."""
+    list's entries below it. A thread a slot, each comparing its entry with its list's: the
+    longest list a program takes n / AHEAD steps (a thread a list, placing its entries a chunk at
+    a time, took n * n / 16 dependent loads on the long lists of a decoder's coarse levels: 10.4
+    us at the decoder preset; bench/NOTES.md entry 43)."""
     pid = tl.program_id(0)
     if INDEX_64:
         pid = pid.to(tl.int64)
-    lists = pid * LISTS + tl.arange(0, LISTS)[:, None]  # [LISTS, 1]
-    ok = lists < num_lists
-    end = tl.load(ends_ptr + lists, mask=ok, other=0)
-    start = tl.load(ends_ptr + lists - 1, mask=ok & (lists > 0), other=0)
+    slot = pid * BLOCK + tl.arange(0, BLOCK)
+    mine = slot < tl.load(ends_ptr + num_lists - 1)  # the slots taken (samples outside every level have none)
+    its_list = tl.load(slot_lists_ptr + slot, mask=mine, other=0)
+    entry = tl.load(entries_ptr + slot, mask=mine, other=0)
+    end = tl.load(ends_ptr + its_list, mask=mine, other=0)
+    start = tl.load(ends_ptr + its_list - 1, mask=mine & (its_list > 0), other=0)
     length = end - start
-    single = length == 1
-    tl.store(sorted_ptr + start, tl.load(entries_ptr + start, mask=single, other=0), mask=single)
-    longest = tl.max(tl.max(length, axis=1), axis=0)
-    several = length > 1
-    column = tl.arange(0, CHUNK)[None, :]
-    placed = longest * 0
-    while placed < tl.where(longest > 1, longest, 0):  # (bounds from memory: while loops, which the interpreter runs)
-        mine = several & (placed + column < length)  # [LISTS, CHUNK]
-        entry = tl.load(entries_ptr + start + placed + column, mask=mine, other=0)
-        rank = tl.zeros([LISTS, CHUNK], dtype=tl.int32)
-        compared = longest * 0
-        while compared < longest:
-            for ahead in tl.static_range(4):  # four loads in flight a step, not one
-                theirs = several & (compared + ahead < length)  # [LISTS, 1]
-                other = tl.load(entries_ptr + start + compared + ahead, mask=theirs, other=0)
-                rank += ((other < entry) & theirs).to(tl.int32)
-            compared += 4
-        tl.store(sorted_ptr + start + rank, entry, mask=mine)
-        placed += CHUNK
+    longest = tl.max(length, axis=0)
+    rank = tl.zeros([BLOCK], dtype=tl.int32)
+    compared = longest * 0
+    while compared < longest:  # (bounds from memory: while loops, which the interpreter runs)
+        for ahead in tl.static_range(AHEAD):
+            theirs = mine & (compared + ahead < length)
+            other = tl.load(entries_ptr + start + compared + ahead, mask=theirs, other=0)
+            rank += ((other < entry) & theirs).to(tl.int32)
+        compared += AHEAD
+    tl.store(sorted_ptr + start + rank, entry, mask=mine)
 
 
 @triton.jit(

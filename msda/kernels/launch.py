@@ -543,7 +543,7 @@ def list_rule(num_queries, num_values, value: Tensor) -> ListRule:
         LIST_COUNT_STRIDE or (8 if encoder else 1),
         LIST_WARPS or (_gather_warps(rows, value.shape[-1], value) if encoder else 1),
         (not encoder) if LIST_JOINED is None else LIST_JOINED,
-        bool(LIST_SORTED),
+        (not encoder) if LIST_SORTED is None else LIST_SORTED,
     )
 
 
@@ -592,6 +592,7 @@ def deterministic_grad_value(
                               device=device)  # fmt: skip
         grad_value = torch.empty(value.shape, dtype=value.dtype, device=device)
         listed = torch.empty_like(entries) if rule.sorted_sums else entries  # the lists sorted into it
+        slot_lists = torch.empty_like(entries) if rule.sorted_sums else entries  # (unwritten if not sorted)
     scales = weights if rule.sorted_sums else fixed_point_scales(launch, grad_output, attention_weights, Q * L * K,
                                                                  maxima)  # (unread if sorted)  # fmt: skip
     starts = spatial_shapes if level_start_index is None else level_start_index  # unread if None
@@ -605,16 +606,17 @@ def deterministic_grad_value(
         INDEX_64=index_64,
         LEVEL_STARTS=level_start_index is not None,
         COUNT_STRIDE=rule.count_stride,
+        SLOT_LISTS=rule.sorted_sums,
         num_warps=max(1, min(8, LIST_QUERIES * _next_power_of_2(K) // 32)),
     )
     grid = (_cdiv(Q, LIST_QUERIES) * B * M,)
     # Slots as int32 where every index fits: cheaper index arithmetic in the gather.
     ends = counts[:: rule.count_stride].cumsum(0, dtype=index_dtype)
     launch(msda_sample_lists_kernel, grid, (spatial_shapes, starts, sampling_locations, attention_weights, counts,
-                                            ends, entries, weights, Q, S), lists)  # fmt: skip
-    if rule.sorted_sums and num_lists > 0:
-        launch(msda_sort_lists_kernel, (_cdiv(num_lists, SORT_LISTS),), (ends, entries, listed, num_lists),
-               dict(LISTS=SORT_LISTS, CHUNK=SORT_CHUNK, INDEX_64=index_64, num_warps=SORT_WARPS))  # fmt: skip
+                                            ends, entries, slot_lists, weights, Q, S), lists)  # fmt: skip
+    if rule.sorted_sums and num_lists > 0 and samples > 0:
+        launch(msda_sort_lists_kernel, (_cdiv(samples, SORT_BLOCK),), (ends, entries, listed, slot_lists, num_lists),
+               dict(BLOCK=SORT_BLOCK, AHEAD=SORT_AHEAD, INDEX_64=index_64, num_warps=SORT_WARPS))  # fmt: skip
     gather = dict(
         NUM_HEADS=M,
         HEAD_DIM=D,
@@ -639,10 +641,10 @@ def deterministic_grad_value(
     return grad_value
 
 
-# `msda_sort_lists_kernel`'s lists a program, entries compared at a time, and warps (not swept).
-SORT_LISTS = 64
-SORT_CHUNK = 8
-SORT_WARPS = 2
+# `msda_sort_lists_kernel`'s slots a program, entries a slot compares with a step, and warps.
+SORT_BLOCK = 128
+SORT_AHEAD = 4
+SORT_WARPS = 4
 
 SCALE_BLOCK = 4096  # elements of grad_output and of the weights a program of `msda_fixed_point_scale_kernel`
 

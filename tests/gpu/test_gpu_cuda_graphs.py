@@ -3,7 +3,7 @@ inference and the training step of a Deformable-DETR-style block in CUDA graphs,
 skipped; a no-grad forward captured with torch.cuda.graph replays on new data (new level shapes
 included); torch.cuda.make_graphed_callables graphs forward and backward; all equal eager. And the
 prerequisite of every capture: forward and backward never synchronize with the host. The
-deterministic mode's fixed-point backward, compiled and captured, equals its eager self bit for bit.
+deterministic mode's backward, compiled and captured, equals its eager self bit for bit.
 
 Warm-up before any capture: the first call of each dtype / shape bucket JIT-compiles the Triton
 kernels (and cuBLAS sets up), which must not happen inside a capture. So one forward (and backward,
@@ -20,6 +20,7 @@ from torch._dynamo.utils import counters
 from torch._inductor import cudagraph_trees
 
 import msda
+from msda.kernels import launch
 from msda.testing import PRESETS, TOLERANCE
 from msda.testing import make_inputs as make_op_inputs
 
@@ -180,10 +181,14 @@ def test_forward_and_backward_never_synchronize_with_the_host():
     torch.cuda.synchronize()
 
 
-def test_deterministic_mode_compiled_and_in_cuda_graphs(deterministic_algorithms):
-    """The fixed-point backward under torch.compile(fullgraph=True) and replayed from a CUDA graph
-    gives the eager deterministic gradients bit for bit (its scale is computed on the device: no
-    synchronization to break the capture)."""
+@pytest.mark.parametrize("sums", ["sorted", "fixed point"])
+def test_deterministic_mode_compiled_and_in_cuda_graphs(monkeypatch, deterministic_algorithms, sums):
+    """The deterministic backward under torch.compile(fullgraph=True) and replayed from a CUDA graph
+    gives the eager deterministic gradients bit for bit (nothing synchronizes with the host to
+    break the capture, the fixed point's scale included): a decoder's lists sorted and summed in
+    float32 (its rule), and summed in 64-bit fixed point (an encoder's rule)."""
+    monkeypatch.setattr(launch, "LIST_SORTED", None if sums == "sorted" else False)
+    torch._dynamo.reset()  # (a frame compiled under the other setting would be reused)
     inputs = make_op_inputs(PRESETS["decoder"], torch.float32, "cuda", dist="local", seed=8)
     grad_output = random_like_output(inputs)
     leaves = [

@@ -84,11 +84,13 @@ def test_grad_value_accumulation_rule(preset, replicated):
 @pytest.mark.parametrize("dist", ["uniform", "local"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("preset", ["decoder", "encoder"])
-def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(preset, dtype, dist):
-    """The deterministic mode's grad_value from its lists (kernels/deterministic.py, at the rule's
-    tiles: a decoder's joined runs, an encoder's side by side) equals, bit for bit, the 64-bit
-    atomic adds of the same fixed-point contributions (the fused-softmax kernels' path), at the
-    presets: lists of up to a thousand samples and more on the encoder's coarse levels."""
+def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(monkeypatch, preset, dtype, dist):
+    """The deterministic mode's grad_value from its lists summed in fixed point (kernels/
+    deterministic.py, at the rule's tiles: a decoder's joined runs, not sorted here, an encoder's
+    side by side) equals, bit for bit, the 64-bit atomic adds of the same fixed-point
+    contributions (the fused-softmax kernels' path), at the presets: lists of up to a thousand
+    samples and more on the encoder's coarse levels."""
+    monkeypatch.setattr(launch, "LIST_SORTED", False)
     inputs = make_inputs(PRESETS[preset], dtype, "cuda", dist=dist, seed=7)
     grad_output = random_like_output(inputs)
     atomic = atomic_fixed_point_grad_value(grad_output, *inputs.args())
@@ -101,13 +103,12 @@ def test_lists_sum_the_bits_of_the_atomic_fixed_point_path(preset, dtype, dist):
 
 @pytest.mark.parametrize("dist", ["uniform", "local", "one point"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_sorted_lists_sum_the_same_bits_in_any_slot_order(monkeypatch, dtype, dist):
-    """At the decoder preset, the lists sorted and summed in float32 (launch.LIST_SORTED, not the
-    rule): shuffling each list's slots (the atomics' order) before the sort leaves the bits
-    unchanged, and grad_value is within the oracle's bound; "one point": every sample at one
-    location, 1,200 entries a list."""
-    monkeypatch.setattr(launch, "LIST_SORTED", True)
+def test_sorted_lists_sum_the_same_bits_in_any_slot_order(dtype, dist):
+    """At the decoder preset, the lists sorted and summed in float32 (the rule's): shuffling each
+    list's slots (the atomics' order) before the sort leaves the bits unchanged, and grad_value
+    is within the oracle's bound; "one point": every sample at one location, 1,200 entries a list."""
     inputs = make_inputs(PRESETS["decoder"], dtype, "cuda", dist="uniform" if dist == "one point" else dist, seed=7)
+    assert launch.list_rule(inputs.sampling_locations.shape[1], inputs.value.shape[1], inputs.value).sorted_sums
     if dist == "one point":
         inputs.sampling_locations.fill_(0.43)
     grad_output = random_like_output(inputs)
