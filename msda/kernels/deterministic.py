@@ -1,12 +1,15 @@
-"""The deterministic mode's grad_value without atomic adds on it (bench/NOTES.md entries 35-42).
+"""The deterministic mode's grad_value without atomic adds on it (bench/NOTES.md entries 35-43).
 
 Under torch.use_deterministic_algorithms(True) grad_value must come out the same, bit for bit, in
-every run. An encoder's is summed in 64-bit fixed point (backward.py: `fixed_point_scale`):
-integers, the same sum in any order. The backward kernel could add them with atomics, but PTX
-has no vector integer atomic: one 64-bit atomic a channel, four times the float32 path's
-instructions. Instead each value row gathers its own contributions from lists of samples (or,
-with launch.LIST_SORTED, not the rule yet: sorts the lists first and sums them in float32 in
-their order, SORTED_SUMS):
+every run. Float atomics add in no fixed order; integer sums are the same in any order, but PTX
+has no vector integer atomic (one 64-bit atomic a channel, four times the float32 path's
+instructions). Instead each value row gathers its own contributions from lists of samples,
+and sums them in one of two ways (launch.list_rule):
+
+- an encoder's (every pixel a query: lists of hundreds of entries on its coarse levels) in
+  64-bit fixed point (backward.py: `fixed_point_scale`), integers: the same sum in any order;
+- a decoder's (short lists, most of one entry or none) in float32, in the order of its lists
+  sorted first (SORTED_SUMS): a third faster than the fixed point (bench/NOTES.md entries 42-43).
 
 1. The backward kernel (COUNT_STRIDE) adds 1 to an int32 count per list for each sample that
    touches its level. A sample is listed once, under its top-left corner's row (batch, head,
@@ -18,14 +21,14 @@ their order, SORTED_SUMS):
    -1)`, and stores the sample's index times 4 plus the flags there; it also writes every
    corner's bilinear weight times the attention weight (the backward kernel's arithmetic, bit
    for bit) to a dense array at the sample's index times 4 plus the corner. The slots' order
-   within a list varies run to run. It places each sample as the backward kernel did when it
+   within a list varies run to run; with SLOT_LISTS (sorted lists) it writes each slot's list
+   too, for the sort. It places each sample as the backward kernel did when it
    counted (sampling.place_sample, the same masks): one sample counted and not listed, or the
    reverse, would put another's entry in the wrong list.
 3. With SORTED_SUMS, `msda_sort_lists_kernel` writes each list in ascending order (into a copy):
-   the order no longer depends on the slots'. A decoder's gather in float32 takes two thirds of
-   its time in fixed point, but this sort costs more than that saves (bench/NOTES.md entry 42);
-   an encoder's lists, hundreds of entries long on its coarse levels, would cost n * n
-   comparisons each.
+   the order no longer depends on the slots'. A thread a slot counts the entries of its list
+   below its own, which is n steps for a list of n: a decoder's take 2.5 us at the preset (an
+   encoder's, hundreds long on its coarse levels, take hundreds of steps a slot).
 4. `msda_gather_grad_value_kernel` takes ROWS rows (consecutive pixels of one head) a program.
    A row at (y, x) is the top-left corner of the samples listed under it, the top-right one of
    those under (y, x - 1), the bottom corners of those under (y - 1, x) and (y - 1, x - 1):
@@ -37,8 +40,8 @@ their order, SORTED_SUMS):
    fixed-point path's to the bit; with SORTED_SUMS, added in float32 in the sorted lists'
    order. It writes grad_value once, in the value's dtype: nothing to zero.
 
-`msda_fixed_point_scale_kernel` computes the fixed point's scale (`backward.fixed_point_scale`)
-first, in one launch.
+Without SORTED_SUMS, `msda_fixed_point_scale_kernel` computes the fixed point's scale
+(`backward.fixed_point_scale`) first, in one launch.
 
 The backward kernel computes the other two gradients as usual (GRAD_VALUE=False).
 """
@@ -123,7 +126,7 @@ def msda_sample_lists_kernel(
         flags = tl.where(x0 < 0, CLAMPED_X, 0) + tl.where(y0 < 0, CLAMPED_Y, 0)
         entry = param * 4 + flags
         tl.store(entries_ptr + slot, entry.to(entries_ptr.dtype.element_ty), mask=listed)
-        if SLOT_LISTS:
+        if SLOT_LISTS:  # scattered, as the entries (the kernel takes 2 us more at the decoder preset)
             tl.store(slot_lists_ptr + slot, (first_list + pixel).to(slot_lists_ptr.dtype.element_ty), mask=listed)
         if not LEVEL_STARTS:
             start += h * w
@@ -144,9 +147,12 @@ def msda_sort_lists_kernel(
     that does not depend on the order the slots were taken in (SORTED_SUMS). A list holds each
     entry once (a sample is listed under one pixel), so an entry's place is the number of its
     list's entries below it. A thread a slot, each comparing its entry with its list's: the
-    longest list a program takes n / AHEAD steps (a thread a list, placing its entries a chunk at
-    a time, took n * n / 16 dependent loads on the long lists of a decoder's coarse levels: 10.4
-    us at the decoder preset; bench/NOTES.md entry 43)."""
+    longest list a program takes n / AHEAD steps. The slots run list by list, so a program's
+    lists are of one level, and only the coarse levels' programs take long (2.5 us at the
+    decoder preset; a thread a list, placing its entries a chunk at a time, took 10.4: n * n / 16
+    dependent loads on the coarse levels' lists; a thread a sample, its list stored at the
+    sample's index, 6.1: a program's samples span every level, so each waits on the coarsest;
+    bench/NOTES.md entry 43)."""
     pid = tl.program_id(0)
     if INDEX_64:
         pid = pid.to(tl.int64)

@@ -512,7 +512,7 @@ class ListRule(NamedTuple):
 
 
 def list_rule(num_queries, num_values, value: Tensor) -> ListRule:
-    """The deterministic mode's lists, from the H200's sweeps (bench/NOTES.md entries 37 to 41,
+    """The deterministic mode's lists, from the H200's sweeps (bench/NOTES.md entries 37 to 43,
     graph replay us):
 
     - encoders: 4 rows a program on one warp, 2 entries a run in float32 (4 loads in flight a
@@ -528,12 +528,14 @@ def list_rule(num_queries, num_values, value: Tensor) -> ListRule:
     - the counters of an encoder 32 bytes apart, a sector each: its coarse levels' pixels each take
       about 330 samples of a head, spread over more L2 slices (float32 encoder 1548 against 1693
       packed); a decoder's packed (178 against 189 us: less to zero, and few collide);
-    - the lists summed in 64-bit fixed point, not sorted (LIST_SORTED opts in): a decoder's gather
-      takes 30.7 us with sorted lists in float32 against 47-48 in fixed point (bfloat16; float16
-      31.7 against 48.6, float32 43.4 against 63.0 in a variant), but sorting them took 69.8 us
-      (the sort kernel's first version: [64, 8, 8] comparisons at 255 registers; the 2-D one
-      after it is not measured yet; entry 42). An encoder's lists are long (hundreds of entries
-      on its coarse levels): they keep the fixed point in any case."""
+    - a decoder's lists sorted, then summed in float32 in their order; an encoder's summed in
+      64-bit fixed point. At the decoder preset the gather takes 30.6 us in float32 against 47-48
+      in fixed point (bfloat16; float16 31.7 against 48.6, float32 43.4 against 63.0), no scale
+      kernel (4.4 us), and the sort 2.5 us: the whole deterministic backward bfloat16 70.4-74.6
+      against 88.0-89.0, float16 70.5-72.5 against 89.2-90.8, float32 81.7-82.7 against
+      102.7-107.0 (graph replay, entry 43). An encoder's lists are hundreds of entries long on
+      its coarse levels, n steps a slot to sort: the sort alone took 1.8 ms at the encoder
+      preset (bfloat16), more than the whole fixed-point backward (1.08 ms, entry 39)."""
     encoder = every_pixel_a_query(num_queries, num_values)
     half = value.element_size() == 2
     rows = LIST_ROWS or (4 if encoder else 32)
