@@ -19,7 +19,8 @@ beside it when importable. bench/NOTES.md logs what the sweeps chose.
 ROWS,ENTRIES[,COUNT_STRIDE[,WARPS[,JOINED[,SORTED]]]] (launch.LIST_ROWS, launch.LIST_ENTRIES,
 launch.LIST_COUNT_STRIDE, launch.LIST_WARPS: a gather program's warps, launch.LIST_JOINED: 1 to
 walk a row's two runs one after the other, an entry a step loaded a step ahead, ENTRIES unread;
-0 side by side; launch.LIST_SORTED: 1 to sort the lists and sum them in float32; the rule's
+0 side by side; launch.LIST_SORTED: 1 to sort the lists and sum them in float32, 0 to sum them
+in 64-bit fixed point; the rule's
 where not given), against the
 default atomic backward and the 64-bit atomic fixed-point path it replaces, each checked against
 the float64 reference; --lists-backward times it at the first --lists tile with its backward kernel
@@ -120,22 +121,22 @@ def deterministic_launch(inputs, grad_output, tile: tuple[int, ...] | None):
     fixed = torch.zeros(value.shape, dtype=torch.int64, device=value.device) if tile is None else None
     if tile is not None:  # the tile's counter spacing for the backward kernel's counts too
         _set_list_overrides(tile)
-    counters = None if tile is None else launch.list_counters(value, Q)
+    lists = None if tile is None else launch.list_buffers(value, loc, attn)
     grid, args, constexprs = launch.backward_call(grad_output, value, shapes, starts, loc, attn, fixed, *grads[1:],
-                                                  fixed_point_scale=scale, list_counters=counters)  # fmt: skip
+                                                  fixed_point_scale=scale, lists=lists)  # fmt: skip
 
     def run():
         if tile is None:
             fixed.zero_()
         else:  # as the operator allocates them: zeros each call
-            counters.zero_()
+            lists.counters.zero_()
         msda_backward_kernel[grid](*args, **constexprs)
         if tile is None:
             grads[0] = from_fixed_point(fixed, scale, value.dtype)
             return
         grads[0] = launch.deterministic_grad_value(
             lambda kernel, grid, args, constexprs: kernel[grid](*args, **constexprs),
-            counters, grad_output, value, shapes, starts, loc, attn,
+            lists, grad_output, value, shapes, starts, loc, attn,
         )  # fmt: skip
 
     return run, grads

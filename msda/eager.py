@@ -177,7 +177,8 @@ def launch_backward(
     )
     grad_loc = launch.empty_written_whole(sampling_locations.shape, sampling_locations.dtype, value.device)
     grad_attn = launch.empty_written_whole(attention_weights.shape, attention_weights.dtype, value.device)
-    counters = launch.list_counters(value, Q) if grad_value is None else None  # the lists' (deterministic mode)
+    # The deterministic mode's lists' buffers, which the backward kernel writes first.
+    lists = launch.list_buffers(value, sampling_locations, attention_weights) if grad_value is None else None
     scratch = None
     if softmax:
         # The kernel keeps the weights' gradient here until its softmax pass: grad_attn itself
@@ -188,7 +189,7 @@ def launch_backward(
         grid, args, constexprs = launch.backward_call(
             grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
             grad_value, grad_loc, grad_attn, softmax=softmax, scratch=scratch, fixed_point_scale=fixed_point_scale,
-            replicas=replicas, list_counters=counters,
+            replicas=replicas, lists=lists,
         )  # fmt: skip
         _launch(_backward_kernel, grid, args, constexprs, value.device)
         if replicas is not None:
@@ -199,7 +200,7 @@ def launch_backward(
             return torch.zeros_like(value), grad_loc, grad_attn
         grad_value = launch.deterministic_grad_value(
             lambda kernel, grid, args, constexprs: _launch(_LISTS[kernel], grid, args, constexprs, value.device),
-            counters, grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+            lists, grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
         )  # fmt: skip
         return grad_value, grad_loc, grad_attn
     return finish_grad_value(grad_value, fixed_point_scale, value.dtype), grad_loc, grad_attn

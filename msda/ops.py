@@ -103,9 +103,9 @@ def backward(
     reject_forward_ad("backward")
     level_start_index = check_level_data(value, spatial_shapes, level_start_index)
     # The kernel's float atomic adds sum grad_value in whatever order they land, so its last bits
-    # vary run to run. Under torch.use_deterministic_algorithms(True) it sums in 64-bit fixed point
-    # instead (kernels/backward.py), bitwise run to run; float64 (gradcheck) takes the pure-PyTorch
-    # backward then, whose index_add is deterministic in that mode.
+    # vary run to run. Under torch.use_deterministic_algorithms(True) each row is summed once from
+    # lists of its samples instead (kernels/deterministic.py), bitwise run to run; float64
+    # (gradcheck) takes the pure-PyTorch backward then, whose index_add is deterministic in that mode.
     if not uses_triton(value.device) or _deterministic_float64(value):
         return torch_impl.backward(
             grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights
@@ -118,7 +118,7 @@ def backward(
 
 def _deterministic_float64(value: Tensor) -> bool:
     """float64 under torch.use_deterministic_algorithms(True): the pure-PyTorch backward (the
-    fixed-point sums are for float32 and half precision, whose float64 is slow on most GPUs)."""
+    deterministic kernels are for float32 and half precision, whose float64 is slow on most GPUs)."""
     return value.dtype == torch.float64 and torch.are_deterministic_algorithms_enabled()
 
 
@@ -165,7 +165,7 @@ def _launch_backward(
     grad_loc = launch.empty_written_whole(sampling_locations.shape, sampling_locations.dtype, value.device)
     grad_attn = launch.empty_written_whole(attention_weights.shape, attention_weights.dtype, value.device)
     # The deterministic mode's lists are counted by the backward kernel (kernels/deterministic.py).
-    counters = launch.list_counters(value, Q) if grad_value is None else None
+    lists = launch.list_buffers(value, sampling_locations, attention_weights) if grad_value is None else None
     # With softmax the kernel keeps the gradient of the weights here between its level loop and
     # its softmax pass. A buffer of its own (the eager fast path reuses grad_attn where the dtypes
     # allow): two written arguments that alias could keep torch.compile from reinplacing either.
@@ -191,7 +191,7 @@ def _launch_backward(
             scratch=scratch,
             fixed_point_scale=fixed_point_scale,
             replicas=replicas,
-            list_counters=counters,
+            lists=lists,
         )
         with _on_device(value.device):
             kernel, kwargs = launch.traceable(msda_backward_kernel, constexprs)
@@ -204,7 +204,7 @@ def _launch_backward(
             return torch.zeros_like(value), grad_loc, grad_attn
         with _on_device(value.device):
             grad_value = launch.deterministic_grad_value(
-                _traceable_launch, counters, grad_output, value, spatial_shapes, level_start_index, sampling_locations,
+                _traceable_launch, lists, grad_output, value, spatial_shapes, level_start_index, sampling_locations,
                 attention_weights,
             )  # fmt: skip
         return grad_value, grad_loc, grad_attn

@@ -90,7 +90,7 @@ OUTPUTS = {("msda_forward_kernel", False): ["out_ptr"],
 
 def outputs(kernel, constexprs: dict, softmax: bool) -> list[str]:
     if kernel is msda_sample_lists_kernel:  # counting, then listing
-        return ["counts_ptr", "entries_ptr", "weights_ptr"] + (["slot_lists_ptr"] if constexprs["SLOT_LISTS"] else [])
+        return sorted(["entries_ptr", "weights_ptr"] + (["slot_lists_ptr"] if constexprs["SLOT_LISTS"] else []))
     if kernel is msda_sort_lists_kernel:
         return ["sorted_ptr"]
     if kernel is msda_gather_grad_value_kernel:
@@ -100,21 +100,23 @@ def outputs(kernel, constexprs: dict, softmax: bool) -> list[str]:
     written = OUTPUTS[kernel.__name__, softmax] + (["replica_ptr"] if constexprs.get("REPLICAS") else [])
     if constexprs.get("GRAD_VALUE") is False:  # the deterministic mode's lists sum grad_value
         written.remove("grad_value_ptr")
-    if constexprs.get("COUNT_STRIDE"):  # and the backward counts their samples
-        written.append("list_counts_ptr")
+    if constexprs.get("COUNT_STRIDE"):  # and the backward counts their samples, leaving their ranks
+        written += ["list_counts_ptr", "list_ranks_ptr"]
     return sorted(written)
 
 
 def kernel_calls(
     levels: int, points: int, head_dim: int, dtype: str, index_64: bool, index: torch.dtype, softmax: bool = False,
-    fixed_point: bool = True, sorted_lists: bool = False,
+    fixed_point: bool = True, fixed_point_lists: bool = False,
 ):
     """(kernel, positional arguments, constexprs) of the forward and the backward, as the
     operator builds them, on tiny CPU tensors; softmax: the softmax operators' calls (the
     backward with a scratch of its own, as msda::backward_softmax passes it), the backward with
     replicas of dense levels and the kernel folding them; fixed_point: the deterministic mode's
-    backward too (int64 grad_value; not for float64, which never runs it); sorted_lists: its
-    opt-in sorted lists besides (launch.LIST_SORTED: the sort kernel and the gather's float32 sums)."""
+    backward too (int64 grad_value; not for float64, which never runs it), its lists as the rule
+    takes them at this (decoder's) shape: sorted, summed in float32; fixed_point_lists: summed in
+    fixed point besides (launch.LIST_SORTED=False, as an encoder's are: the scale kernel, the gather's
+    integer sums)."""
     value_dtype, loc_dtype, accumulator = DTYPES[dtype]
     B, S, M, Q = 1, 3, 2, 2
     value = torch.zeros(B, S, M, head_dim, dtype=value_dtype)
@@ -161,21 +163,21 @@ def kernel_calls(
                 fixed_point_scale=torch.ones(1),
             )[1:]))  # fmt: skip
             if not softmax:  # the deterministic mode's lists: the backward without grad_value, and their kernels
-                counters = launch.list_counters(value, Q)
+                lists = launch.list_buffers(value, loc, attn)
                 calls.append((msda_backward_kernel, *launch.backward_call(
                     out, value, shapes, starts, loc, attn, None, torch.zeros_like(loc), torch.zeros_like(attn),
-                    list_counters=counters,
+                    lists=lists,
                 )[1:]))  # fmt: skip
                 launch.deterministic_grad_value(
                     lambda kernel, grid, args, constexprs: calls.append((kernel, args, constexprs)),
-                    counters, out, value, shapes, starts, loc, attn,
+                    lists, out, value, shapes, starts, loc, attn,
                 )
-                if sorted_lists:
-                    launch.LIST_SORTED = True
+                if fixed_point_lists:
+                    launch.LIST_SORTED = False
                     try:
                         launch.deterministic_grad_value(
                             lambda kernel, grid, args, constexprs: calls.append((kernel, args, constexprs)),
-                            counters, out, value, shapes, starts, loc, attn,
+                            lists, out, value, shapes, starts, loc, attn,
                         )  # fmt: skip
                     finally:
                         launch.LIST_SORTED = None
@@ -281,7 +283,7 @@ def main() -> int:
         # The preset's kernels once more with their integer arguments as constants (see above).
         constant_ints = (levels, points, head_dim) == QUICK_SHAPES[0] and not index_64 and not is_timed
         calls = kernel_calls(levels, points, head_dim, dtype, index_64, index, softmax, fixed_point=not is_timed,
-                             sorted_lists=constant_ints and index == torch.int64)  # fmt: skip
+                             fixed_point_lists=constant_ints and index == torch.int64)  # fmt: skip
         for kernel, args, constexprs in calls:
             what = (f"{kernel.__name__} {dtype} L={levels} K={points} D={head_dim} int64={index_64} shapes={index}"
                     f" softmax={softmax}")

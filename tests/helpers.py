@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -72,14 +74,30 @@ def atomic_fixed_point_grad_value(grad_output: Tensor, value, shapes, starts, lo
 def listed_grad_value(run, grad_output: Tensor, value, shapes, starts, loc, attn) -> Tensor:
     """The deterministic mode's grad_value as the operator makes it: the backward kernel without
     grad_value counting the lists, then the lists' kernels (launched by `run(kernel, grid, args,
-    constexprs)`); asserts that the lists' pass took every count back down."""
-    counters = launch.list_counters(value, loc.shape[1])
+    constexprs)`); asserts that the lists' kernel wrote every slot the counts made (each sample
+    listed as counted) and each sample's four corner weights over its rank."""
+    lists = launch.list_buffers(value, loc, attn)
     grads = [torch.empty_like(loc), torch.empty_like(attn)]
     grid, args, constexprs = launch.backward_call(grad_output, value, shapes, starts, loc, attn, None, *grads,
-                                                  list_counters=counters)  # fmt: skip
+                                                  lists=lists)  # fmt: skip
+    lists.weights.fill_(math.nan)  # (not a rank: its bits as an integer are far past any list)
     backward_kernel.msda_backward_kernel[grid](*args, **constexprs)
-    listed = launch.deterministic_grad_value(run, counters, grad_output, value, shapes, starts, loc, attn)
-    assert not counters[:-3].any()  # the lists' pass took every count back down: each listed as counted
+    slots = []
+
+    def checked(kernel, grid, args, constexprs):
+        if kernel is deterministic.msda_sample_lists_kernel:
+            ends, entries = args[4], args[5]
+            slots.append(int(ends[-1]) if len(ends) else 0)
+            entries[: slots[-1]] = -1  # no entry is negative
+            run(kernel, grid, args, constexprs)
+            assert (entries[: slots[-1]] >= 0).all(), "a slot the counts made was not written"
+            return
+        run(kernel, grid, args, constexprs)
+
+    listed = launch.deterministic_grad_value(checked, lists, grad_output, value, shapes, starts, loc, attn)
+    assert slots, "the lists' kernel ran"
+    if attn.isfinite().all():
+        assert not lists.weights.isnan().any(), "every sample's corner weights written"
     return listed
 
 

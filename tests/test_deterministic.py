@@ -68,21 +68,25 @@ def test_float64_deterministic_takes_the_pure_pytorch_backward(deterministic_alg
 
 
 @interpreted
+@pytest.mark.parametrize("where", ["grad_output", "attention_weights"])
 @pytest.mark.parametrize("bad", [math.inf, math.nan])
 @pytest.mark.parametrize("queries, forced", [(5, None), (16, None), (5, False)],
                          ids=["decoder", "encoder", "decoder-fixed-point"])  # fmt: skip
-def test_non_finite_grad_output_in_grad_value(monkeypatch, deterministic_algorithms, bad, queries, forced):
-    """docs/contract.md: a non-finite grad_output anywhere makes every grad_value element NaN where
-    the lists are summed in fixed point (an encoder's, by the rule: integers carry no inf or NaN);
-    where they are sorted and summed in float32 (a decoder's), it reaches the rows the default
-    mode's does."""
+def test_non_finite_input_in_grad_value(monkeypatch, deterministic_algorithms, where, bad, queries, forced):
+    """docs/contract.md: a non-finite grad_output or attention weight anywhere makes every
+    grad_value element NaN where the lists are summed in fixed point (an encoder's, by the rule:
+    integers carry no inf or NaN); where they are sorted and summed in float32 (a decoder's), it
+    reaches the rows the default mode's does."""
     monkeypatch.setattr(launch, "LIST_SORTED", forced)
     shape = Shape(1, queries, 2, 4, ((3, 4), (2, 2)), 2)  # S = 16: queries == 16 is an encoder
     inputs = make_inputs(shape, seed=7)
     sorted_lists = launch.list_rule(queries, shape.num_values, inputs.value).sorted_sums
     assert sorted_lists == (queries == 5 and forced is None)
     grad_output = random_like_output(inputs)
-    grad_output[0, 1, 3] = bad
+    if where == "grad_output":
+        grad_output[0, 1, 3] = bad
+    else:
+        inputs.attention_weights[0, 1, 1, 0, 1] = bad
     with backend("triton"):
         _, grad_value, _, _ = forward_backward(inputs, grad_output)
         torch.use_deterministic_algorithms(False)

@@ -9,6 +9,15 @@ import triton.language as tl
 from .sampling import finite_or_nan, level_ok, place_sample, softmax_stats
 
 
+@triton.jit
+def as_float_bits(integer, FLOAT: tl.constexpr):
+    """An int32 in the bits of a FLOAT (float32, or float64 through int64): `msda_sample_lists_kernel`
+    reads it back with the inverse bit cast."""
+    if FLOAT == tl.float64:
+        return integer.to(tl.int64).to(tl.float64, bitcast=True)
+    return integer.to(tl.int32).to(tl.float32, bitcast=True)
+
+
 # Sizes and strides vary with the image: not specialized (see forward.py).
 @triton.jit(
     do_not_specialize=["grad_out_stride_b", "grad_out_stride_q", "num_queries", "num_values", "replica_rows"]
@@ -29,6 +38,7 @@ def msda_backward_kernel(
     grad_attn_ptr,  # like attn
     scratch_ptr,  # with SOFTMAX: (B, Q, M, L, K) in COMPUTE, may be grad_attn itself; else unused
     list_counts_ptr,  # with COUNT_STRIDE: the deterministic mode's int32 list counters (zeros); else unused
+    list_ranks_ptr,  # with COUNT_STRIDE: its lists' corner weights (float32, float64), each listed sample's rank there first; else unused
     num_queries,
     num_values,
     replica_rows,
@@ -177,13 +187,18 @@ def msda_backward_kernel(
                 # placed anyway, as msda_sample_lists_kernel will list it: under its
                 # top-left corner's pixel, if its left or right corner is inside. (A pass of its
                 # own waited on its atomics: 96 us at the bfloat16 encoder, bench/NOTES.md entry 38.)
+                # The count before this sample's is its rank in the list, its slot there: stored
+                # where msda_sample_lists_kernel reads it, then writes the sample's corner weights
+                # (an integer in a float's bits), so that pass needs no atomics of its own.
                 pixel = start + tl.maximum(y0, 0) * w + tl.maximum(x0, 0)
-                tl.atomic_add(
+                listed = left | right
+                rank = tl.atomic_add(
                     list_counts_ptr + ((b * NUM_HEADS + m) * num_values + pixel) * COUNT_STRIDE,
                     1,
-                    mask=left | right,
+                    mask=listed,
                     sem="relaxed",
                 )
+                tl.store(list_ranks_ptr + 4 * param, as_float_bits(rank, list_ranks_ptr.dtype.element_ty), mask=listed)
             corner = (level_row + (y0 * w + x0) * NUM_HEADS) * HEAD_DIM
             corner = corner[:, :, None, None] + channel
             below = corner + w * ROW

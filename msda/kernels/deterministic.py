@@ -15,16 +15,17 @@ and sums them in one of two ways (launch.list_rule):
    touches its level. A sample is listed once, under its top-left corner's row (batch, head,
    pixel; -1 coordinates, of samples straddling the top or left border, clamped to 0 and
    flagged in the entry's two low bits), so its four corners cost one count, not four. Integer
-   adds: the counts are the same in any order. A cumulative sum (torch.cumsum) gives each
-   list's end in one array of all lists.
-2. `msda_sample_lists_kernel` gives each sample a slot in its list, `end - atomic_add(count,
-   -1)`, and stores the sample's index times 4 plus the flags there; it also writes every
-   corner's bilinear weight times the attention weight (the backward kernel's arithmetic, bit
-   for bit) to a dense array at the sample's index times 4 plus the corner. The slots' order
-   within a list varies run to run; with SLOT_LISTS (sorted lists) it writes each slot's list
-   too, for the sort. It places each sample as the backward kernel did when it
-   counted (sampling.place_sample, the same masks): one sample counted and not listed, or the
-   reverse, would put another's entry in the wrong list.
+   adds: the counts are the same in any order. The count before a sample's own is its rank in
+   the list: the kernel stores it at the sample's index times 4 in the weights' array. A
+   cumulative sum (torch.cumsum) gives each list's end in one array of all lists.
+2. `msda_sample_lists_kernel` gives each sample its slot, the list's start plus its rank, and
+   stores the sample's index times 4 plus the flags there; it also writes every corner's
+   bilinear weight times the attention weight (the backward kernel's arithmetic, bit for bit)
+   to a dense array at the sample's index times 4 plus the corner, over the rank. The slots'
+   order within a list varies run to run (the atomics' order); with SLOT_LISTS (sorted lists)
+   it writes each slot's list too, for the sort. It places each sample as the backward kernel
+   did when it counted (sampling.place_sample, the same masks): one sample counted and not
+   listed, or the reverse, would leave a slot unwritten or write another's.
 3. With SORTED_SUMS, `msda_sort_lists_kernel` writes each list in ascending order (into a copy):
    the order no longer depends on the slots'. A thread a slot counts the entries of its list
    below its own, which is n steps for a list of n: a decoder's take 2.5 us at the preset (an
@@ -61,11 +62,10 @@ def msda_sample_lists_kernel(
     starts_ptr,  # (L,), read if LEVEL_STARTS
     loc_ptr,  # (B, Q, M, L, K, 2), contiguous
     attn_ptr,  # (B, Q, M, L, K), contiguous: the weights
-    counts_ptr,  # (B * M * S * COUNT_STRIDE,) int32: the backward kernel's counts, taken back down to zeros
-    ends_ptr,  # (B * M * S,) the cumulative sum of the counts (int32, or int64 if INDEX_64)
+    ends_ptr,  # (B * M * S,) the cumulative sum of the backward kernel's counts (int32, or int64 if INDEX_64)
     entries_ptr,  # (B * Q * M * L * K,) int32 or int64: the lists
     slot_lists_ptr,  # like entries: each slot's list, written if SLOT_LISTS
-    weights_ptr,  # (B * Q * M * L * K * 4,) in COMPUTE: each corner's weight
+    weights_ptr,  # (B * Q * M * L * K * 4,) in COMPUTE: each corner's weight; read first: each listed sample's rank
     num_queries,
     num_values,
     NUM_HEADS: tl.constexpr,
@@ -76,7 +76,6 @@ def msda_sample_lists_kernel(
     COMPUTE: tl.constexpr,
     INDEX_64: tl.constexpr,
     LEVEL_STARTS: tl.constexpr,  # False: sum the level sizes
-    COUNT_STRIDE: tl.constexpr,  # counters this many int32 apart (launch.LIST_COUNT_STRIDE says why)
     SLOT_LISTS: tl.constexpr,  # write each slot's list too, for `msda_sort_lists_kernel`
 ):
     pid = tl.program_id(0)
@@ -105,6 +104,16 @@ def msda_sample_lists_kernel(
         x0, y0, fx, fy, left, right, top, bottom = place_sample(
             x, y, h, w, level_ok(h, w, start, num_values), mask, COMPUTE
         )
+        # A sample touching the level has x0 in [-1, w - 1] and y0 in [-1, h - 1] (place_sample):
+        # then its left or its right corner is inside. The backward kernel counted it so, and
+        # left its rank in the list where its corner weights go: read before they are written
+        # (by other threads of this program: hence the barrier).
+        listed = left | right
+        rank = tl.load(weights_ptr + 4 * param, mask=listed, other=0.0)
+        rank = rank.to(tl.int64 if weights_ptr.dtype.element_ty == tl.float64 else tl.int32, bitcast=True)
+        list_id = first_list + start + tl.maximum(y0, 0) * w + tl.maximum(x0, 0)
+        slot = tl.load(ends_ptr + list_id - 1, mask=listed & (list_id > 0), other=0) + rank
+        tl.debug_barrier()
         # The backward kernel's products, in its order: the same bits.
         attn = finite_or_nan(tl.load(attn_ptr + param, mask=mask, other=0.0).to(COMPUTE))
         a_top = attn * (1.0 - fy)
@@ -117,17 +126,11 @@ def msda_sample_lists_kernel(
         corners = tl.reshape(tl.join(upper, lower).permute(0, 1, 3, 2), [BLOCK_Q, BLOCK_K, 4])
         corner = param[:, :, None] * 4 + tl.arange(0, 4)[None, None, :]
         tl.store(weights_ptr + corner, corners, mask=mask[:, :, None])
-        # A sample touching the level has x0 in [-1, w - 1] and y0 in [-1, h - 1] (place_sample):
-        # then its left or its right corner is inside. The backward kernel counted it so.
-        listed = left | right
-        pixel = start + tl.maximum(y0, 0) * w + tl.maximum(x0, 0)
-        remaining = tl.atomic_add(counts_ptr + (first_list + pixel) * COUNT_STRIDE, -1, mask=listed, sem="relaxed")
-        slot = tl.load(ends_ptr + first_list + pixel, mask=listed, other=0) - remaining
         flags = tl.where(x0 < 0, CLAMPED_X, 0) + tl.where(y0 < 0, CLAMPED_Y, 0)
         entry = param * 4 + flags
         tl.store(entries_ptr + slot, entry.to(entries_ptr.dtype.element_ty), mask=listed)
         if SLOT_LISTS:  # scattered, as the entries (the kernel takes 2 us more at the decoder preset)
-            tl.store(slot_lists_ptr + slot, (first_list + pixel).to(slot_lists_ptr.dtype.element_ty), mask=listed)
+            tl.store(slot_lists_ptr + slot, list_id.to(slot_lists_ptr.dtype.element_ty), mask=listed)
         if not LEVEL_STARTS:
             start += h * w
 

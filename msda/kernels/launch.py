@@ -340,7 +340,7 @@ def backward_call(
     scratch: Tensor | None = None,
     fixed_point_scale: Tensor | None = None,
     replicas: Tensor | None = None,
-    list_counters: Tensor | None = None,
+    lists: ListBuffers | None = None,
 ) -> tuple[tuple[int], tuple, dict]:
     """(grid, positional arguments, constexpr arguments) of msda_backward_kernel; grad_output's
     channels must be contiguous (its other strides may be anything, 0 included), the other
@@ -357,18 +357,18 @@ def backward_call(
     levels are summed into besides grad_value; `fold_call`'s kernel then adds them to grad_value.
 
     grad_value None: the kernel computes the other two gradients alone (the deterministic mode's
-    `deterministic_grad_value` sums grad_value); with `list_counters` (`list_counters`' zeros) it
-    also counts the samples of that mode's lists into them."""
+    `deterministic_grad_value` sums grad_value); with `lists` (`list_buffers`) it also counts the
+    samples of that mode's lists and leaves each one's rank in its list."""
     B, S, M, D = value.shape
     _, Q, _, L, K, _ = sampling_locations.shape
-    lists = grad_value is None  # the deterministic mode's lists sum grad_value
+    buffers, lists = lists, grad_value is None  # lists: the deterministic mode's lists sum grad_value
     constexprs = _backward_constexprs(
         int(L), int(K), int(M), int(D), value.dtype, compute_dtype(value, sampling_locations, attention_weights),
         every_pixel_a_query(Q, S),
-        needs_int64(value, sampling_locations, grad_output, *[t for t in (list_counters,) if t is not None]),
+        needs_int64(value, sampling_locations, grad_output, *([] if buffers is None else buffers)),
         level_start_index is not None, softmax, fixed_point_scale is not None and not lists, replicas is not None,
         0 if lists else grad_value.element_size(), not lists and value_rows_evicted_first(grad_value, Q, S),
-        0 if list_counters is None else list_rule(Q, S, value).count_stride,
+        0 if buffers is None else list_rule(Q, S, value).count_stride,
         config or (LIST_BACKWARD if lists else None) or backward_config,
     )  # fmt: skip
     if softmax and scratch is None:
@@ -391,7 +391,8 @@ def backward_call(
         # Unused without softmax: an input then, never an output (two outputs that alias would
         # trouble torch.compile's reinplacing of the kernel's writes).
         scratch if softmax else attention_weights,
-        spatial_shapes if list_counters is None else list_counters,  # unwritten if None
+        spatial_shapes if buffers is None else buffers.counters,  # unwritten if None
+        spatial_shapes if buffers is None else buffers.weights,  # unwritten if None
         Q,
         S,
         0 if replicas is None else replicas.shape[1],
@@ -549,21 +550,33 @@ def list_rule(num_queries, num_values, value: Tensor) -> ListRule:
     )
 
 
-def list_counters(value: Tensor, num_queries: int) -> Tensor:
-    """int32 zeros for the deterministic mode: its lists' counters (`list_rule`'s spacing), which
-    the backward kernel counts into (`backward_call`), then the fixed-point scale's two maxima
-    and ticket (`fixed_point_scales`): one zeroing for both."""
+class ListBuffers(NamedTuple):
+    """The deterministic mode's buffers that the backward kernel writes before the lists' kernels."""
+
+    counters: Tensor  # int32 zeros: the lists' counts (`list_rule`'s spacing), then the fixed-point scale's two maxima and ticket
+    weights: Tensor  # each corner's weight (float32, float64 for float64 inputs): first each listed sample's rank
+
+
+def list_buffers(value: Tensor, sampling_locations: Tensor, attention_weights: Tensor) -> ListBuffers:
+    """For the deterministic mode: the counters, zeros, which the backward kernel counts into
+    (`backward_call`), then `fixed_point_scales` (one zeroing for both), and the corner weights'
+    array, where the backward kernel leaves each sample's rank in its list for the lists' kernel,
+    which writes the weights over it (`deterministic_grad_value`)."""
     B, S, M, _ = value.shape
-    rule = list_rule(num_queries, S, value)
+    _, Q, _, L, K, _ = sampling_locations.shape
+    rule = list_rule(Q, S, value)
+    compute = compute_dtype(value, sampling_locations, attention_weights)
     # Zeroed without deterministic mode's fill of torch.zeros' empty tensor first: one pass, not
     # two (1.4 us at the decoder, 3.3 at the encoder; bench/NOTES.md entry 41).
     counters = empty_written_whole((B * M * S * rule.count_stride + 3,), torch.int32, value.device)
-    return counters.zero_()
+    weights = empty_written_whole((B * Q * M * L * K * 4,), torch.float64 if compute == tl.float64 else torch.float32,
+                                  value.device)  # fmt: skip
+    return ListBuffers(counters.zero_(), weights)
 
 
 def deterministic_grad_value(
     launch,
-    counters: Tensor,
+    buffers: ListBuffers,
     grad_output: Tensor,
     value: Tensor,
     spatial_shapes: Tensor,
@@ -573,10 +586,10 @@ def deterministic_grad_value(
 ) -> Tensor:
     """The deterministic mode's grad_value by kernels/deterministic.py's launches, each made by
     `launch(kernel, grid, args, constexprs)` (the operator's through wrap_triton, the eager path's
-    directly); tensors as for `backward_call`, the weights not logits; `counters` as the backward
-    kernel left them, with every list counted (`list_counters`). Where the rule sorts the lists
-    (`ListRule.sorted_sums`), the gather sums them in float32; else in 64-bit fixed point at
-    `backward.fixed_point_scale`'s scale, computed by a kernel of its own."""
+    directly); tensors as for `backward_call`, the weights not logits; `buffers` as the backward
+    kernel left them, every list counted and every sample's rank in it (`list_buffers`). Where
+    the rule sorts the lists (`ListRule.sorted_sums`), the gather sums them in float32; else in
+    64-bit fixed point at `backward.fixed_point_scale`'s scale, computed by a kernel of its own."""
     B, S, M, D = value.shape
     _, Q, _, L, K, _ = sampling_locations.shape
     L, K, M, D = int(L), int(K), int(M), int(D)
@@ -586,12 +599,11 @@ def deterministic_grad_value(
     compute = compute_dtype(value, sampling_locations, attention_weights)
     num_lists = B * M * S  # one a pixel of each batch and head
     rule = list_rule(Q, S, value)
-    counts, maxima = counters[:-3], counters[-3:]
+    counts, maxima = buffers.counters[:-3], buffers.counters[-3:]
+    weights = buffers.weights
     index_dtype = torch.int64 if index_64 else torch.int32
     with fill_skipped():  # each written before it is read (the NaN fill would cost a pass each)
         entries = torch.empty((samples,), dtype=index_dtype, device=device)
-        weights = torch.empty((samples * 4,), dtype=torch.float64 if compute == tl.float64 else torch.float32,
-                              device=device)  # fmt: skip
         grad_value = torch.empty(value.shape, dtype=value.dtype, device=device)
         listed = torch.empty_like(entries) if rule.sorted_sums else entries  # the lists sorted into it
         slot_lists = torch.empty_like(entries) if rule.sorted_sums else entries  # (unwritten if not sorted)
@@ -607,15 +619,14 @@ def deterministic_grad_value(
         COMPUTE=compute,
         INDEX_64=index_64,
         LEVEL_STARTS=level_start_index is not None,
-        COUNT_STRIDE=rule.count_stride,
         SLOT_LISTS=rule.sorted_sums,
         num_warps=max(1, min(8, LIST_QUERIES * _next_power_of_2(K) // 32)),
     )
     grid = (_cdiv(Q, LIST_QUERIES) * B * M,)
     # Slots as int32 where every index fits: cheaper index arithmetic in the gather.
     ends = counts[:: rule.count_stride].cumsum(0, dtype=index_dtype)
-    launch(msda_sample_lists_kernel, grid, (spatial_shapes, starts, sampling_locations, attention_weights, counts,
-                                            ends, entries, slot_lists, weights, Q, S), lists)  # fmt: skip
+    launch(msda_sample_lists_kernel, grid, (spatial_shapes, starts, sampling_locations, attention_weights, ends,
+                                            entries, slot_lists, weights, Q, S), lists)  # fmt: skip
     if rule.sorted_sums and num_lists > 0 and samples > 0:
         launch(msda_sort_lists_kernel, (_cdiv(samples, SORT_BLOCK),), (ends, entries, listed, slot_lists, num_lists),
                dict(BLOCK=SORT_BLOCK, AHEAD=SORT_AHEAD, INDEX_64=index_64, num_warps=SORT_WARPS))  # fmt: skip
