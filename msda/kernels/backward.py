@@ -38,7 +38,7 @@ def msda_backward_kernel(
     grad_attn_ptr,  # like attn
     scratch_ptr,  # with SOFTMAX: (B, Q, M, L, K) in COMPUTE, may be grad_attn itself; else unused
     list_counts_ptr,  # with COUNT_STRIDE: the deterministic mode's int32 list counters (zeros); else unused
-    list_ranks_ptr,  # with COUNT_STRIDE: its lists' corner weights (float32, float64), each listed sample's rank there first; else unused
+    list_ranks_ptr,  # with COUNT_STRIDE: the lists' weights' array (float): each sample's rank goes there; else unused
     num_queries,
     num_values,
     replica_rows,

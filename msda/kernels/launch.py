@@ -553,7 +553,8 @@ def list_rule(num_queries, num_values, value: Tensor) -> ListRule:
 class ListBuffers(NamedTuple):
     """The deterministic mode's buffers that the backward kernel writes before the lists' kernels."""
 
-    counters: Tensor  # int32 zeros: the lists' counts (`list_rule`'s spacing), then the fixed-point scale's two maxima and ticket
+    counters: Tensor  # int32 zeros: the lists' counts (`list_rule`'s spacing), then the fixed-point scale's
+    # two maxima and ticket
     weights: Tensor  # each corner's weight (float32, float64 for float64 inputs): first each listed sample's rank
 
 
