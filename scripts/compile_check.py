@@ -115,8 +115,8 @@ def kernel_calls(
     replicas of dense levels and the kernel folding them; fixed_point: the deterministic mode's
     backward too (int64 grad_value; not for float64, which never runs it), its lists as the rule
     takes them at this (decoder's) shape: sorted, summed in float32; fixed_point_lists: summed in
-    fixed point besides (launch.LIST_SORTED=False, as an encoder's are: the scale kernel, the gather's
-    integer sums)."""
+    fixed point besides (launch.LIST_SORTED=False: the scale kernel, the gather's integer sums),
+    and an encoder's lists (every pixel a query: the rule's fixed point at its own tile)."""
     value_dtype, loc_dtype, accumulator = DTYPES[dtype]
     B, S, M, Q = 1, 3, 2, 2
     value = torch.zeros(B, S, M, head_dim, dtype=value_dtype)
@@ -181,6 +181,16 @@ def kernel_calls(
                         )  # fmt: skip
                     finally:
                         launch.LIST_SORTED = None
+                    # An encoder's (every pixel a query): its counters' spacing, its gather's tile.
+                    every_lists = launch.list_buffers(value, every_loc, every_attn)
+                    calls.append((msda_backward_kernel, *launch.backward_call(
+                        every_out, value, shapes, starts, every_loc, every_attn, None, torch.zeros_like(every_loc),
+                        torch.zeros_like(every_attn), lists=every_lists,
+                    )[1:]))  # fmt: skip
+                    launch.deterministic_grad_value(
+                        lambda kernel, grid, args, constexprs: calls.append((kernel, args, constexprs)),
+                        every_lists, every_out, value, shapes, starts, every_loc, every_attn,
+                    )  # fmt: skip
     finally:
         launch.needs_int64, launch.register_target = needs_int64, register_target
     return calls
