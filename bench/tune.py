@@ -207,7 +207,7 @@ def main() -> None:
     parser.add_argument("--forward", nargs="+", type=_tiles, default=FORWARD_SWEEP, metavar="Q,G,T[,...]")
     parser.add_argument("--backward", nargs="+", type=_tiles, default=BACKWARD_SWEEP, metavar="Q,G,T")
     parser.add_argument("--lists", nargs="+", type=_list_tile, default=[],
-                        metavar="ROWS,ENTRIES[,STRIDE[,WARPS[,JOINED]]]",
+                        metavar="ROWS,ENTRIES[,STRIDE[,WARPS[,JOINED[,SORTED]]]]",
                         help="time the deterministic backward at these gather tiles")  # fmt: skip
     parser.add_argument("--lists-backward", nargs="+", type=_tiles, default=[], metavar="Q,G,T[,...]",
                         help="and at the first --lists tile, its backward kernel at these tiles")
