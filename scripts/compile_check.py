@@ -163,22 +163,20 @@ def kernel_calls(
                 fixed_point_scale=torch.ones(1),
             )[1:]))  # fmt: skip
             if not softmax:  # the deterministic mode's lists: the backward without grad_value, and their kernels
+
+                def record(kernel, grid, args, constexprs):
+                    calls.append((kernel, args, constexprs))
+
                 lists = launch.list_buffers(value, loc, attn)
                 calls.append((msda_backward_kernel, *launch.backward_call(
                     out, value, shapes, starts, loc, attn, None, torch.zeros_like(loc), torch.zeros_like(attn),
                     lists=lists,
                 )[1:]))  # fmt: skip
-                launch.deterministic_grad_value(
-                    lambda kernel, grid, args, constexprs: calls.append((kernel, args, constexprs)),
-                    lists, out, value, shapes, starts, loc, attn,
-                )
+                launch.deterministic_grad_value(record, lists, out, value, shapes, starts, loc, attn)
                 if fixed_point_lists:
                     launch.LIST_SORTED = False
                     try:
-                        launch.deterministic_grad_value(
-                            lambda kernel, grid, args, constexprs: calls.append((kernel, args, constexprs)),
-                            lists, out, value, shapes, starts, loc, attn,
-                        )  # fmt: skip
+                        launch.deterministic_grad_value(record, lists, out, value, shapes, starts, loc, attn)
                     finally:
                         launch.LIST_SORTED = None
                     # An encoder's (every pixel a query): its counters' spacing, its gather's tile.
@@ -188,9 +186,8 @@ def kernel_calls(
                         torch.zeros_like(every_attn), lists=every_lists,
                     )[1:]))  # fmt: skip
                     launch.deterministic_grad_value(
-                        lambda kernel, grid, args, constexprs: calls.append((kernel, args, constexprs)),
-                        every_lists, every_out, value, shapes, starts, every_loc, every_attn,
-                    )  # fmt: skip
+                        record, every_lists, every_out, value, shapes, starts, every_loc, every_attn
+                    )
     finally:
         launch.needs_int64, launch.register_target = needs_int64, register_target
     return calls

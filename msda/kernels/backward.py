@@ -6,16 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .deterministic import rank_as_float
 from .sampling import finite_or_nan, level_ok, place_sample, softmax_stats
-
-
-@triton.jit
-def as_float_bits(integer, FLOAT: tl.constexpr):
-    """An int32 in the bits of a FLOAT (float32, or float64 through int64): `msda_sample_lists_kernel`
-    reads it back with the inverse bit cast."""
-    if FLOAT == tl.float64:
-        return integer.to(tl.int64).to(tl.float64, bitcast=True)
-    return integer.to(tl.int32).to(tl.float32, bitcast=True)
 
 
 # Sizes and strides vary with the image: not specialized (see forward.py).
@@ -198,7 +190,7 @@ def msda_backward_kernel(
                     mask=listed,
                     sem="relaxed",
                 )
-                tl.store(list_ranks_ptr + 4 * param, as_float_bits(rank, list_ranks_ptr.dtype.element_ty), mask=listed)
+                tl.store(list_ranks_ptr + 4 * param, rank_as_float(rank, list_ranks_ptr.dtype.element_ty), mask=listed)
             corner = (level_row + (y0 * w + x0) * NUM_HEADS) * HEAD_DIM
             corner = corner[:, :, None, None] + channel
             below = corner + w * ROW

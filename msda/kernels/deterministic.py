@@ -56,6 +56,20 @@ CLAMPED_X = tl.constexpr(1)  # entry flag: the sample's x0 is -1, listed under x
 CLAMPED_Y = tl.constexpr(2)  # entry flag: its y0 is -1, listed under y = 0
 
 
+@triton.jit
+def rank_as_float(rank, FLOAT: tl.constexpr):
+    """A sample's rank in its list in the bits of a FLOAT (float32; float64 through int64), as the
+    backward kernel leaves it in the corner weights' array; `rank_from_float` reads it back."""
+    if FLOAT == tl.float64:
+        return rank.to(tl.int64).to(tl.float64, bitcast=True)
+    return rank.to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def rank_from_float(bits):
+    return bits.to(tl.int64 if bits.dtype == tl.float64 else tl.int32, bitcast=True)
+
+
 @triton.jit(do_not_specialize=["num_queries", "num_values"])
 def msda_sample_lists_kernel(
     shapes_ptr,  # (L, 2)
@@ -109,8 +123,7 @@ def msda_sample_lists_kernel(
         # left its rank in the list where its corner weights go: read before they are written
         # (by other threads of this program: hence the barrier).
         listed = left | right
-        rank = tl.load(weights_ptr + 4 * param, mask=listed, other=0.0)
-        rank = rank.to(tl.int64 if weights_ptr.dtype.element_ty == tl.float64 else tl.int32, bitcast=True)
+        rank = rank_from_float(tl.load(weights_ptr + 4 * param, mask=listed, other=0.0))
         list_id = first_list + start + tl.maximum(y0, 0) * w + tl.maximum(x0, 0)
         slot = tl.load(ends_ptr + list_id - 1, mask=listed & (list_id > 0), other=0) + rank
         tl.debug_barrier()

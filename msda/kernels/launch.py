@@ -361,15 +361,16 @@ def backward_call(
     samples of that mode's lists and leaves each one's rank in its list."""
     B, S, M, D = value.shape
     _, Q, _, L, K, _ = sampling_locations.shape
-    buffers, lists = lists, grad_value is None  # lists: the deterministic mode's lists sum grad_value
+    summed_by_lists = grad_value is None  # the deterministic mode's lists sum grad_value
     constexprs = _backward_constexprs(
         int(L), int(K), int(M), int(D), value.dtype, compute_dtype(value, sampling_locations, attention_weights),
         every_pixel_a_query(Q, S),
-        needs_int64(value, sampling_locations, grad_output, *([] if buffers is None else buffers)),
-        level_start_index is not None, softmax, fixed_point_scale is not None and not lists, replicas is not None,
-        0 if lists else grad_value.element_size(), not lists and value_rows_evicted_first(grad_value, Q, S),
-        0 if buffers is None else list_rule(Q, S, value).count_stride,
-        config or (LIST_BACKWARD if lists else None) or backward_config,
+        needs_int64(value, sampling_locations, grad_output, *([] if lists is None else lists)),
+        level_start_index is not None, softmax, fixed_point_scale is not None and not summed_by_lists,
+        replicas is not None, 0 if summed_by_lists else grad_value.element_size(),
+        not summed_by_lists and value_rows_evicted_first(grad_value, Q, S),
+        0 if lists is None else list_rule(Q, S, value).count_stride,
+        config or (LIST_BACKWARD if summed_by_lists else None) or backward_config,
     )  # fmt: skip
     if softmax and scratch is None:
         raise ValueError("backward_call: softmax=True needs a scratch tensor")
@@ -391,8 +392,8 @@ def backward_call(
         # Unused without softmax: an input then, never an output (two outputs that alias would
         # trouble torch.compile's reinplacing of the kernel's writes).
         scratch if softmax else attention_weights,
-        spatial_shapes if buffers is None else buffers.counters,  # unwritten if None
-        spatial_shapes if buffers is None else buffers.weights,  # unwritten if None
+        spatial_shapes if lists is None else lists.counters,  # unwritten if None
+        spatial_shapes if lists is None else lists.weights,  # unwritten if None
         Q,
         S,
         0 if replicas is None else replicas.shape[1],
@@ -551,11 +552,13 @@ def list_rule(num_queries, num_values, value: Tensor) -> ListRule:
 
 
 class ListBuffers(NamedTuple):
-    """The deterministic mode's buffers that the backward kernel writes before the lists' kernels."""
+    """The deterministic mode's buffers that the backward kernel writes before the lists' kernels:
+    `counters`, int32 zeros, the lists' counts (`list_rule`'s spacing) and then the fixed-point
+    scale's two maxima and ticket; `weights`, each corner's weight (float32, float64 for float64
+    inputs), holding each listed sample's rank in its list until the lists' kernel writes them."""
 
-    counters: Tensor  # int32 zeros: the lists' counts (`list_rule`'s spacing), then the fixed-point scale's
-    # two maxima and ticket
-    weights: Tensor  # each corner's weight (float32, float64 for float64 inputs): first each listed sample's rank
+    counters: Tensor
+    weights: Tensor
 
 
 def list_buffers(value: Tensor, sampling_locations: Tensor, attention_weights: Tensor) -> ListBuffers:
