@@ -275,7 +275,8 @@ def test_lane_placement(monkeypatch, dtype, head_dim, points):
 def test_encoder_rule(monkeypatch):
     """Where the register target applies, a float32 call with every pixel a query (Q == S, an
     encoder's self-attention) takes one-warp programs (2 queries at head_dim 32) at 56 registers
-    with the lane placement, and matches the oracle; other calls keep the 16-query rule."""
+    with the lane placement, its backward one-query programs, and matches the oracle; other calls
+    keep the 16-query forward and the 4-query backward."""
     monkeypatch.setattr(launch, "register_target", lambda device: True)
     levels = ((5, 6), (3, 2), (1, 1))
     encoder = Shape(batch=2, queries=37, heads=2, head_dim=32, levels=levels, points=2)  # S = 37
@@ -285,10 +286,22 @@ def test_encoder_rule(monkeypatch):
     assert (constexprs["BLOCK_Q"], constexprs["num_warps"], constexprs["maxnreg"]) == (2, 1, 56)
     assert constexprs["LANE_PLACEMENT"]
     grad_output = random_like_output(inputs)
+    assert backward_constexprs(inputs, grad_output)["BLOCK_Q"] == 1
     assert_matches_reference(inputs, forward_backward(inputs, grad_output), grad_output)
     decoder = make_inputs(dataclasses.replace(encoder, queries=36), torch.float32, DEVICE, seed=82)
     _, _, constexprs = launch.forward_call(*decoder.args(), torch.empty(0))
     assert constexprs["BLOCK_Q"] == 16
+    assert backward_constexprs(decoder, random_like_output(decoder))["BLOCK_Q"] == 4
+
+
+def backward_constexprs(inputs, grad_output) -> dict:
+    """The backward kernel's settings for a call on `inputs` (its float32 accumulator)."""
+    value, shapes, starts, loc, attn = inputs.args()
+    grad_value = torch.empty(value.shape, dtype=torch.float32)
+    _, _, constexprs = launch.backward_call(
+        grad_output, value, shapes, starts, loc, attn, grad_value, torch.empty_like(loc), torch.empty_like(attn)
+    )
+    return constexprs
 
 
 def test_last_batch_first():

@@ -156,16 +156,23 @@ def backward_config(
     """The backward's launch rule (bench/NOTES.md, entry 13): a whole row per load and per atomic
     (the L2 handles fewer, larger reductions better), 4 queries, points in four groups, each
     step's parameters loaded a step ahead where a step holds one point a group (K <= 4: 0.1-1.8
-    us off the decoders, entry 31). Half-precision encoders (`every_pixel_a_query`) take 2
-    queries: 569 us against 584 at the preset, 540 against 554 under `local` (entry 38; 4 us
-    slower at the decoder in entry 33's tiles, hence the encoder alone).
+    us off the decoders, entry 31). Encoders (`every_pixel_a_query`) take smaller programs:
+    half precision 2 queries (569 us against 584 at the preset, 540 against 554 under `local`,
+    entry 38), float32 1 query, one warp at head_dim 32 (869-884 us against 885-891, 828-849
+    against 839-859 under `local`, entry 48; 1 query costs the half encoders 30%). Both lose at
+    the decoder (4 us at 2 queries in entry 33's tiles), hence the encoder alone.
 
     lists: the deterministic mode's kernel, which leaves grad_value to its lists (no atomics), 2
     queries everywhere: the whole deterministic backward of the decoders 81.1 us against 88.6
     (bfloat16), 82.1 against 88.8 (float16), 103.4 against 106.1 (float32), of the float32
     encoder 1414 against 1419 (graph replay, entry 41)."""
-    half = value_dtype in (torch.float16, torch.bfloat16)
-    return TileConfig(block_q=2 if lists or (encoder and half) else 4, groups=4, threads_per_row=0, prefetch=True)
+    if lists or (encoder and value_dtype in (torch.float16, torch.bfloat16)):
+        block_q = 2
+    elif encoder and value_dtype == torch.float32:
+        block_q = 1
+    else:
+        block_q = 4
+    return TileConfig(block_q=block_q, groups=4, threads_per_row=0, prefetch=True)
 
 
 def compute_dtype(*tensors: Tensor):
