@@ -62,9 +62,11 @@ def _corner(xi, yi, w, h, weight, DUMMY: gl.constexpr):
 
 @gluon.jit
 def coarse_level_grad_value_kernel(
-    grad_out_ptr,  # (B, Q, M * D) contiguous
+    grad_out_ptr,  # (B, Q, M * D), channels contiguous
+    grad_out_stride_b,
+    grad_out_stride_q,
     shapes_ptr,  # (L, 2)
-    starts_ptr,  # (L,)
+    starts_ptr,  # (L,), read if LEVEL_STARTS
     loc_ptr,  # (B, Q, M, L, K, 2)
     attn_ptr,  # (B, Q, M, L, K)
     grad_value_ptr,  # (B, S, M, D) float32
@@ -79,10 +81,13 @@ def coarse_level_grad_value_kernel(
     DUMMY: gl.constexpr,  # a row past the level's: corners outside it add there
     STAGE: gl.constexpr,  # the first row of the staging areas (1 KB a warp)
     ROWS: gl.constexpr,
+    LEVEL_STARTS: gl.constexpr,  # False: the level starts at num_values - its size (LVL the last level)
 ):
     gl.static_assert(HEAD_DIM == 32)
     gl.static_assert(NUM_POINTS == 4)
     NW: gl.constexpr = 4
+    gl.static_assert(DUMMY < STAGE)
+    gl.static_assert(STAGE + NW * 8 <= ROWS)  # a warp's staging area: 32 samples x 4 records x 8 bytes
     # A pixel (y, x)'s row holds channel c at c ^ 8 * ((y % 2) * 2 + x % 2): a sample's four corner
     # rows, which a warp's lanes read at once (8 channels each), fall in four different 8-bank groups.
     ROW_BYTES: gl.constexpr = HEAD_DIM * 4
@@ -91,182 +96,188 @@ def coarse_level_grad_value_kernel(
     # The tile is read and written through inline PTX at global_smem (this allocation is the
     # kernel's only one, at offset 0); a store through the descriptor keeps the allocation.
     smem.index(0).store(gl.zeros([1, HEAD_DIM], gl.float32, one_row))
-    # [32, 32] tiles: the zeroing and the flush, a row of 32 channels over 8 lanes of 4 channels.
-    tile32: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
-    t_rows = gl.arange(0, 32, gl.SliceLayout(1, tile32))[:, None]
-    t_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, tile32))[None, :]
-    smem_base = _asm_u32("mov.b32 $0, global_smem;", t_rows * 0)
-    t_addr = smem_base + t_rows * ROW_BYTES + t_cols * 4
-    zero = gl.zeros([32, HEAD_DIM], gl.float32, tile32)
-    for z0 in gl.static_range(0, ROWS, 32):
-        gl.inline_asm_elementwise("st.shared.f32 [$1], $2; mov.b32 $0, 0;", "=r,r,f", [t_addr + z0 * ROW_BYTES, zero],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-    gl.thread_barrier()
-
-    pid = gl.program_id(0)
-    num_q_blocks = (num_queries + QB - 1) // QB
-    q_block = pid % num_q_blocks
-    bm = pid // num_q_blocks
-    b = bm // NUM_HEADS
-    m = bm % NUM_HEADS
+    # Where the level has more pixels than the tile holds, this kernel does nothing (and the
+    # backward kernel adds that level itself: it masks the level's adds only where it fits).
     h = gl.load(shapes_ptr + 2 * LVL).to(gl.int32)
     w = gl.load(shapes_ptr + 2 * LVL + 1).to(gl.int32)
-    start = gl.load(starts_ptr + LVL).to(gl.int32)
-    hf = h.to(gl.float32)
-    wf = w.to(gl.float32)
-    LK: gl.constexpr = NUM_LEVELS * NUM_POINTS
+    area = h * w
+    if LEVEL_STARTS:
+        start = gl.load(starts_ptr + LVL).to(gl.int32)
+    else:
+        start = num_values - area
+    if area <= DUMMY:
+        # [32, 32] tiles: the zeroing and the flush, a row of 32 channels over 8 lanes of 4 channels.
+        tile32: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
+        t_rows = gl.arange(0, 32, gl.SliceLayout(1, tile32))[:, None]
+        t_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, tile32))[None, :]
+        smem_base = _asm_u32("mov.b32 $0, global_smem;", t_rows * 0)
+        t_addr = smem_base + t_rows * ROW_BYTES + t_cols * 4
+        zero = gl.zeros([32, HEAD_DIM], gl.float32, tile32)
+        for z0 in gl.static_range(0, ROWS, 32):
+            gl.inline_asm_elementwise("st.shared.f32 [$1], $2; mov.b32 $0, 0;", "=r,r,f",
+                                      [t_addr + z0 * ROW_BYTES, zero], dtype=gl.int32, is_pure=False, pack=1)
+        gl.thread_barrier()
 
-    # Placement: a sample a lane (every warp places the same 32).
-    lane_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-    lane = gl.arange(0, 32, lane_layout)
-    tid = _asm_u32("mov.u32 $0, %tid.x;", lane * 0)
-    # This lane's sample's four records (row offset, weight) in its warp's staging area.
-    stage = _asm_u32("mov.b32 $0, global_smem;", lane * 0) + STAGE * ROW_BYTES + (tid // 32) * 1024 + lane * 32
-    # The add: [4 corners, 32 channels], a lane (corner, channel) of its warp's 8.
-    add_layout: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, NW], [1, 0])
-    corner = gl.arange(0, 4, gl.SliceLayout(1, add_layout))[:, None]
-    ch = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, add_layout))[None, :]
-    a_tid = _asm_u32("mov.u32 $0, %tid.x;", corner * 0 + ch * 0)
-    a_base = _asm_u32("mov.b32 $0, global_smem;", corner * 0 + ch * 0)
-    record = a_base + STAGE * ROW_BYTES + (a_tid // 32) * 1024 + corner * 8  # + sample * 32
-    ch4 = ch * 4
-    grad_row = grad_out_ptr + (b * num_queries * NUM_HEADS + m) * HEAD_DIM + ch  # + q * M * D
+        pid = gl.program_id(0)
+        num_q_blocks = (num_queries + QB - 1) // QB
+        q_block = pid % num_q_blocks
+        bm = pid // num_q_blocks
+        b = bm // NUM_HEADS
+        m = bm % NUM_HEADS
+        hf = h.to(gl.float32)
+        wf = w.to(gl.float32)
+        LK: gl.constexpr = NUM_LEVELS * NUM_POINTS
 
-    q_end = gl.minimum(q_block * QB + QB, num_queries)
-    q = q_block * QB + lane // 4
-    ok = q < q_end
-    param = ((b * num_queries + q) * NUM_HEADS + m) * LK + LVL * NUM_POINTS + lane % 4
-    x = gl.load(loc_ptr + 2 * param, mask=ok, other=-2.0)
-    y = gl.load(loc_ptr + 2 * param + 1, mask=ok, other=-2.0)
-    a = gl.load(attn_ptr + param, mask=ok, other=0.0)
-    g0 = gl.load(grad_row + gl.minimum(q_block * QB + 0, num_queries - 1) * (NUM_HEADS * HEAD_DIM))
-    g1 = gl.load(grad_row + gl.minimum(q_block * QB + 1, num_queries - 1) * (NUM_HEADS * HEAD_DIM))
-    g2 = gl.load(grad_row + gl.minimum(q_block * QB + 2, num_queries - 1) * (NUM_HEADS * HEAD_DIM))
-    g3 = gl.load(grad_row + gl.minimum(q_block * QB + 3, num_queries - 1) * (NUM_HEADS * HEAD_DIM))
-    g4 = gl.load(grad_row + gl.minimum(q_block * QB + 4, num_queries - 1) * (NUM_HEADS * HEAD_DIM))
-    g5 = gl.load(grad_row + gl.minimum(q_block * QB + 5, num_queries - 1) * (NUM_HEADS * HEAD_DIM))
-    g6 = gl.load(grad_row + gl.minimum(q_block * QB + 6, num_queries - 1) * (NUM_HEADS * HEAD_DIM))
-    g7 = gl.load(grad_row + gl.minimum(q_block * QB + 7, num_queries - 1) * (NUM_HEADS * HEAD_DIM))
-    for first in range(q_block * QB, q_end, 8):
-        c0 = g0
-        c1 = g1
-        c2 = g2
-        c3 = g3
-        c4 = g4
-        c5 = g5
-        c6 = g6
-        c7 = g7
-        cx = x
-        cy = y
-        ca = a
-        q = first + 8 + lane // 4
+        # Placement: a sample a lane (every warp places the same 32).
+        lane_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        lane = gl.arange(0, 32, lane_layout)
+        tid = _asm_u32("mov.u32 $0, %tid.x;", lane * 0)
+        # This lane's sample's four records (row offset, weight) in its warp's staging area.
+        stage = _asm_u32("mov.b32 $0, global_smem;", lane * 0) + STAGE * ROW_BYTES + (tid // 32) * 1024 + lane * 32
+        # The add: [4 corners, 32 channels], a lane (corner, channel) of its warp's 8.
+        add_layout: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, NW], [1, 0])
+        corner = gl.arange(0, 4, gl.SliceLayout(1, add_layout))[:, None]
+        ch = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, add_layout))[None, :]
+        a_tid = _asm_u32("mov.u32 $0, %tid.x;", corner * 0 + ch * 0)
+        a_base = _asm_u32("mov.b32 $0, global_smem;", corner * 0 + ch * 0)
+        record = a_base + STAGE * ROW_BYTES + (a_tid // 32) * 1024 + corner * 8  # + sample * 32
+        ch4 = ch * 4
+        grad_row = grad_out_ptr + b * grad_out_stride_b + m * HEAD_DIM + ch  # + q * stride_q
+
+        q_end = gl.minimum(q_block * QB + QB, num_queries)
+        q = q_block * QB + lane // 4
         ok = q < q_end
         param = ((b * num_queries + q) * NUM_HEADS + m) * LK + LVL * NUM_POINTS + lane % 4
         x = gl.load(loc_ptr + 2 * param, mask=ok, other=-2.0)
         y = gl.load(loc_ptr + 2 * param + 1, mask=ok, other=-2.0)
         a = gl.load(attn_ptr + param, mask=ok, other=0.0)
-        g0 = gl.load(grad_row + gl.minimum(first + 8 + 0, num_queries - 1) * (NUM_HEADS * HEAD_DIM))
-        g1 = gl.load(grad_row + gl.minimum(first + 8 + 1, num_queries - 1) * (NUM_HEADS * HEAD_DIM))
-        g2 = gl.load(grad_row + gl.minimum(first + 8 + 2, num_queries - 1) * (NUM_HEADS * HEAD_DIM))
-        g3 = gl.load(grad_row + gl.minimum(first + 8 + 3, num_queries - 1) * (NUM_HEADS * HEAD_DIM))
-        g4 = gl.load(grad_row + gl.minimum(first + 8 + 4, num_queries - 1) * (NUM_HEADS * HEAD_DIM))
-        g5 = gl.load(grad_row + gl.minimum(first + 8 + 5, num_queries - 1) * (NUM_HEADS * HEAD_DIM))
-        g6 = gl.load(grad_row + gl.minimum(first + 8 + 6, num_queries - 1) * (NUM_HEADS * HEAD_DIM))
-        g7 = gl.load(grad_row + gl.minimum(first + 8 + 7, num_queries - 1) * (NUM_HEADS * HEAD_DIM))
-        x_im = cx * wf - 0.5
-        y_im = cy * hf - 0.5
-        x0f = gl.floor(x_im)
-        y0f = gl.floor(y_im)
-        fx = x_im - x0f
-        fy = y_im - y0f
-        inside = (x_im > -1.0) & (x_im < wf) & (y_im > -1.0) & (y_im < hf)
-        ca = gl.where(inside, ca, 0.0)
-        x0 = gl.where(inside, x0f, 0.0).to(gl.int32)
-        y0 = gl.where(inside, y0f, 0.0).to(gl.int32)
-        r0, w0 = _corner(x0, y0, w, h, ca * (1.0 - fy) * (1.0 - fx), DUMMY)
-        r1, w1 = _corner(x0 + 1, y0, w, h, ca * (1.0 - fy) * fx, DUMMY)
-        r2, w2 = _corner(x0, y0 + 1, w, h, ca * fy * (1.0 - fx), DUMMY)
-        r3, w3 = _corner(x0 + 1, y0 + 1, w, h, ca * fy * fx, DUMMY)
-        _warp_sync(lane)  # the previous round's records all read
-        _st2(stage, r0, w0)
-        _st2(stage + 8, r1, w1)
-        _st2(stage + 16, r2, w2)
-        _st2(stage + 24, r3, w3)
-        _warp_sync(lane)
-        row0, wt0 = _ld_record(record + 0)
-        row1, wt1 = _ld_record(record + 32)
-        row2, wt2 = _ld_record(record + 64)
-        row3, wt3 = _ld_record(record + 96)
-        row4, wt4 = _ld_record(record + 128)
-        row5, wt5 = _ld_record(record + 160)
-        row6, wt6 = _ld_record(record + 192)
-        row7, wt7 = _ld_record(record + 224)
-        row8, wt8 = _ld_record(record + 256)
-        row9, wt9 = _ld_record(record + 288)
-        row10, wt10 = _ld_record(record + 320)
-        row11, wt11 = _ld_record(record + 352)
-        row12, wt12 = _ld_record(record + 384)
-        row13, wt13 = _ld_record(record + 416)
-        row14, wt14 = _ld_record(record + 448)
-        row15, wt15 = _ld_record(record + 480)
-        row16, wt16 = _ld_record(record + 512)
-        row17, wt17 = _ld_record(record + 544)
-        row18, wt18 = _ld_record(record + 576)
-        row19, wt19 = _ld_record(record + 608)
-        row20, wt20 = _ld_record(record + 640)
-        row21, wt21 = _ld_record(record + 672)
-        row22, wt22 = _ld_record(record + 704)
-        row23, wt23 = _ld_record(record + 736)
-        row24, wt24 = _ld_record(record + 768)
-        row25, wt25 = _ld_record(record + 800)
-        row26, wt26 = _ld_record(record + 832)
-        row27, wt27 = _ld_record(record + 864)
-        row28, wt28 = _ld_record(record + 896)
-        row29, wt29 = _ld_record(record + 928)
-        row30, wt30 = _ld_record(record + 960)
-        row31, wt31 = _ld_record(record + 992)
-        _rmw(a_base + (row0 & -128) + (ch4 ^ (row0 & 127)), wt0 * c0)
-        _rmw(a_base + (row1 & -128) + (ch4 ^ (row1 & 127)), wt1 * c0)
-        _rmw(a_base + (row2 & -128) + (ch4 ^ (row2 & 127)), wt2 * c0)
-        _rmw(a_base + (row3 & -128) + (ch4 ^ (row3 & 127)), wt3 * c0)
-        _rmw(a_base + (row4 & -128) + (ch4 ^ (row4 & 127)), wt4 * c1)
-        _rmw(a_base + (row5 & -128) + (ch4 ^ (row5 & 127)), wt5 * c1)
-        _rmw(a_base + (row6 & -128) + (ch4 ^ (row6 & 127)), wt6 * c1)
-        _rmw(a_base + (row7 & -128) + (ch4 ^ (row7 & 127)), wt7 * c1)
-        _rmw(a_base + (row8 & -128) + (ch4 ^ (row8 & 127)), wt8 * c2)
-        _rmw(a_base + (row9 & -128) + (ch4 ^ (row9 & 127)), wt9 * c2)
-        _rmw(a_base + (row10 & -128) + (ch4 ^ (row10 & 127)), wt10 * c2)
-        _rmw(a_base + (row11 & -128) + (ch4 ^ (row11 & 127)), wt11 * c2)
-        _rmw(a_base + (row12 & -128) + (ch4 ^ (row12 & 127)), wt12 * c3)
-        _rmw(a_base + (row13 & -128) + (ch4 ^ (row13 & 127)), wt13 * c3)
-        _rmw(a_base + (row14 & -128) + (ch4 ^ (row14 & 127)), wt14 * c3)
-        _rmw(a_base + (row15 & -128) + (ch4 ^ (row15 & 127)), wt15 * c3)
-        _rmw(a_base + (row16 & -128) + (ch4 ^ (row16 & 127)), wt16 * c4)
-        _rmw(a_base + (row17 & -128) + (ch4 ^ (row17 & 127)), wt17 * c4)
-        _rmw(a_base + (row18 & -128) + (ch4 ^ (row18 & 127)), wt18 * c4)
-        _rmw(a_base + (row19 & -128) + (ch4 ^ (row19 & 127)), wt19 * c4)
-        _rmw(a_base + (row20 & -128) + (ch4 ^ (row20 & 127)), wt20 * c5)
-        _rmw(a_base + (row21 & -128) + (ch4 ^ (row21 & 127)), wt21 * c5)
-        _rmw(a_base + (row22 & -128) + (ch4 ^ (row22 & 127)), wt22 * c5)
-        _rmw(a_base + (row23 & -128) + (ch4 ^ (row23 & 127)), wt23 * c5)
-        _rmw(a_base + (row24 & -128) + (ch4 ^ (row24 & 127)), wt24 * c6)
-        _rmw(a_base + (row25 & -128) + (ch4 ^ (row25 & 127)), wt25 * c6)
-        _rmw(a_base + (row26 & -128) + (ch4 ^ (row26 & 127)), wt26 * c6)
-        _rmw(a_base + (row27 & -128) + (ch4 ^ (row27 & 127)), wt27 * c6)
-        _rmw(a_base + (row28 & -128) + (ch4 ^ (row28 & 127)), wt28 * c7)
-        _rmw(a_base + (row29 & -128) + (ch4 ^ (row29 & 127)), wt29 * c7)
-        _rmw(a_base + (row30 & -128) + (ch4 ^ (row30 & 127)), wt30 * c7)
-        _rmw(a_base + (row31 & -128) + (ch4 ^ (row31 & 127)), wt31 * c7)
+        g0 = gl.load(grad_row + gl.minimum(q_block * QB + 0, num_queries - 1) * grad_out_stride_q)
+        g1 = gl.load(grad_row + gl.minimum(q_block * QB + 1, num_queries - 1) * grad_out_stride_q)
+        g2 = gl.load(grad_row + gl.minimum(q_block * QB + 2, num_queries - 1) * grad_out_stride_q)
+        g3 = gl.load(grad_row + gl.minimum(q_block * QB + 3, num_queries - 1) * grad_out_stride_q)
+        g4 = gl.load(grad_row + gl.minimum(q_block * QB + 4, num_queries - 1) * grad_out_stride_q)
+        g5 = gl.load(grad_row + gl.minimum(q_block * QB + 5, num_queries - 1) * grad_out_stride_q)
+        g6 = gl.load(grad_row + gl.minimum(q_block * QB + 6, num_queries - 1) * grad_out_stride_q)
+        g7 = gl.load(grad_row + gl.minimum(q_block * QB + 7, num_queries - 1) * grad_out_stride_q)
+        for first in range(q_block * QB, q_end, 8):
+            c0 = g0
+            c1 = g1
+            c2 = g2
+            c3 = g3
+            c4 = g4
+            c5 = g5
+            c6 = g6
+            c7 = g7
+            cx = x
+            cy = y
+            ca = a
+            q = first + 8 + lane // 4
+            ok = q < q_end
+            param = ((b * num_queries + q) * NUM_HEADS + m) * LK + LVL * NUM_POINTS + lane % 4
+            x = gl.load(loc_ptr + 2 * param, mask=ok, other=-2.0)
+            y = gl.load(loc_ptr + 2 * param + 1, mask=ok, other=-2.0)
+            a = gl.load(attn_ptr + param, mask=ok, other=0.0)
+            g0 = gl.load(grad_row + gl.minimum(first + 8 + 0, num_queries - 1) * grad_out_stride_q)
+            g1 = gl.load(grad_row + gl.minimum(first + 8 + 1, num_queries - 1) * grad_out_stride_q)
+            g2 = gl.load(grad_row + gl.minimum(first + 8 + 2, num_queries - 1) * grad_out_stride_q)
+            g3 = gl.load(grad_row + gl.minimum(first + 8 + 3, num_queries - 1) * grad_out_stride_q)
+            g4 = gl.load(grad_row + gl.minimum(first + 8 + 4, num_queries - 1) * grad_out_stride_q)
+            g5 = gl.load(grad_row + gl.minimum(first + 8 + 5, num_queries - 1) * grad_out_stride_q)
+            g6 = gl.load(grad_row + gl.minimum(first + 8 + 6, num_queries - 1) * grad_out_stride_q)
+            g7 = gl.load(grad_row + gl.minimum(first + 8 + 7, num_queries - 1) * grad_out_stride_q)
+            x_im = cx * wf - 0.5
+            y_im = cy * hf - 0.5
+            x0f = gl.floor(x_im)
+            y0f = gl.floor(y_im)
+            fx = x_im - x0f
+            fy = y_im - y0f
+            inside = (x_im > -1.0) & (x_im < wf) & (y_im > -1.0) & (y_im < hf)
+            ca = gl.where(inside, ca, 0.0)
+            x0 = gl.where(inside, x0f, 0.0).to(gl.int32)
+            y0 = gl.where(inside, y0f, 0.0).to(gl.int32)
+            r0, w0 = _corner(x0, y0, w, h, ca * (1.0 - fy) * (1.0 - fx), DUMMY)
+            r1, w1 = _corner(x0 + 1, y0, w, h, ca * (1.0 - fy) * fx, DUMMY)
+            r2, w2 = _corner(x0, y0 + 1, w, h, ca * fy * (1.0 - fx), DUMMY)
+            r3, w3 = _corner(x0 + 1, y0 + 1, w, h, ca * fy * fx, DUMMY)
+            _warp_sync(lane)  # the previous round's records all read
+            _st2(stage, r0, w0)
+            _st2(stage + 8, r1, w1)
+            _st2(stage + 16, r2, w2)
+            _st2(stage + 24, r3, w3)
+            _warp_sync(lane)
+            row0, wt0 = _ld_record(record + 0)
+            row1, wt1 = _ld_record(record + 32)
+            row2, wt2 = _ld_record(record + 64)
+            row3, wt3 = _ld_record(record + 96)
+            row4, wt4 = _ld_record(record + 128)
+            row5, wt5 = _ld_record(record + 160)
+            row6, wt6 = _ld_record(record + 192)
+            row7, wt7 = _ld_record(record + 224)
+            row8, wt8 = _ld_record(record + 256)
+            row9, wt9 = _ld_record(record + 288)
+            row10, wt10 = _ld_record(record + 320)
+            row11, wt11 = _ld_record(record + 352)
+            row12, wt12 = _ld_record(record + 384)
+            row13, wt13 = _ld_record(record + 416)
+            row14, wt14 = _ld_record(record + 448)
+            row15, wt15 = _ld_record(record + 480)
+            row16, wt16 = _ld_record(record + 512)
+            row17, wt17 = _ld_record(record + 544)
+            row18, wt18 = _ld_record(record + 576)
+            row19, wt19 = _ld_record(record + 608)
+            row20, wt20 = _ld_record(record + 640)
+            row21, wt21 = _ld_record(record + 672)
+            row22, wt22 = _ld_record(record + 704)
+            row23, wt23 = _ld_record(record + 736)
+            row24, wt24 = _ld_record(record + 768)
+            row25, wt25 = _ld_record(record + 800)
+            row26, wt26 = _ld_record(record + 832)
+            row27, wt27 = _ld_record(record + 864)
+            row28, wt28 = _ld_record(record + 896)
+            row29, wt29 = _ld_record(record + 928)
+            row30, wt30 = _ld_record(record + 960)
+            row31, wt31 = _ld_record(record + 992)
+            _rmw(a_base + (row0 & -128) + (ch4 ^ (row0 & 127)), wt0 * c0)
+            _rmw(a_base + (row1 & -128) + (ch4 ^ (row1 & 127)), wt1 * c0)
+            _rmw(a_base + (row2 & -128) + (ch4 ^ (row2 & 127)), wt2 * c0)
+            _rmw(a_base + (row3 & -128) + (ch4 ^ (row3 & 127)), wt3 * c0)
+            _rmw(a_base + (row4 & -128) + (ch4 ^ (row4 & 127)), wt4 * c1)
+            _rmw(a_base + (row5 & -128) + (ch4 ^ (row5 & 127)), wt5 * c1)
+            _rmw(a_base + (row6 & -128) + (ch4 ^ (row6 & 127)), wt6 * c1)
+            _rmw(a_base + (row7 & -128) + (ch4 ^ (row7 & 127)), wt7 * c1)
+            _rmw(a_base + (row8 & -128) + (ch4 ^ (row8 & 127)), wt8 * c2)
+            _rmw(a_base + (row9 & -128) + (ch4 ^ (row9 & 127)), wt9 * c2)
+            _rmw(a_base + (row10 & -128) + (ch4 ^ (row10 & 127)), wt10 * c2)
+            _rmw(a_base + (row11 & -128) + (ch4 ^ (row11 & 127)), wt11 * c2)
+            _rmw(a_base + (row12 & -128) + (ch4 ^ (row12 & 127)), wt12 * c3)
+            _rmw(a_base + (row13 & -128) + (ch4 ^ (row13 & 127)), wt13 * c3)
+            _rmw(a_base + (row14 & -128) + (ch4 ^ (row14 & 127)), wt14 * c3)
+            _rmw(a_base + (row15 & -128) + (ch4 ^ (row15 & 127)), wt15 * c3)
+            _rmw(a_base + (row16 & -128) + (ch4 ^ (row16 & 127)), wt16 * c4)
+            _rmw(a_base + (row17 & -128) + (ch4 ^ (row17 & 127)), wt17 * c4)
+            _rmw(a_base + (row18 & -128) + (ch4 ^ (row18 & 127)), wt18 * c4)
+            _rmw(a_base + (row19 & -128) + (ch4 ^ (row19 & 127)), wt19 * c4)
+            _rmw(a_base + (row20 & -128) + (ch4 ^ (row20 & 127)), wt20 * c5)
+            _rmw(a_base + (row21 & -128) + (ch4 ^ (row21 & 127)), wt21 * c5)
+            _rmw(a_base + (row22 & -128) + (ch4 ^ (row22 & 127)), wt22 * c5)
+            _rmw(a_base + (row23 & -128) + (ch4 ^ (row23 & 127)), wt23 * c5)
+            _rmw(a_base + (row24 & -128) + (ch4 ^ (row24 & 127)), wt24 * c6)
+            _rmw(a_base + (row25 & -128) + (ch4 ^ (row25 & 127)), wt25 * c6)
+            _rmw(a_base + (row26 & -128) + (ch4 ^ (row26 & 127)), wt26 * c6)
+            _rmw(a_base + (row27 & -128) + (ch4 ^ (row27 & 127)), wt27 * c6)
+            _rmw(a_base + (row28 & -128) + (ch4 ^ (row28 & 127)), wt28 * c7)
+            _rmw(a_base + (row29 & -128) + (ch4 ^ (row29 & 127)), wt29 * c7)
+            _rmw(a_base + (row30 & -128) + (ch4 ^ (row30 & 127)), wt30 * c7)
+            _rmw(a_base + (row31 & -128) + (ch4 ^ (row31 & 127)), wt31 * c7)
 
-    gl.thread_barrier()
-    target = grad_value_ptr + ((b * num_values + start) * NUM_HEADS + m) * HEAD_DIM + t_cols
-    area = h * w
-    for f0 in gl.static_range(0, ROWS, 32):
-        if f0 < area:
-            rows = f0 + t_rows
-            swizzle = (((rows // w) & 1) * 2 + ((rows % w) & 1)) * 32
-            v = gl.inline_asm_elementwise("ld.shared.f32 $0, [$1];", "=f,r",
-                                          [smem_base + rows * ROW_BYTES + ((t_cols * 4) ^ swizzle)],
-                                          dtype=gl.float32, is_pure=False, pack=1)
-            gl.atomic_add(target + rows * (NUM_HEADS * HEAD_DIM), v, mask=(rows < area) & (t_cols < HEAD_DIM),
-                          sem="relaxed")
+        gl.thread_barrier()
+        target = grad_value_ptr + ((b * num_values + start) * NUM_HEADS + m) * HEAD_DIM + t_cols
+        for f0 in gl.static_range(0, ROWS, 32):
+            if f0 < area:
+                rows = f0 + t_rows
+                swizzle = (((rows // w) & 1) * 2 + ((rows % w) & 1)) * 32
+                v = gl.inline_asm_elementwise("ld.shared.f32 $0, [$1];", "=f,r",
+                                              [smem_base + rows * ROW_BYTES + ((t_cols * 4) ^ swizzle)],
+                                              dtype=gl.float32, is_pure=False, pack=1)
+                gl.atomic_add(target + rows * (NUM_HEADS * HEAD_DIM), v, mask=(rows < area) & (t_cols < HEAD_DIM),
+                              sem="relaxed")
