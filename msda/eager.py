@@ -35,6 +35,7 @@ if ops.HAS_TRITON:
     _backward_kernel = DirectLauncher(msda_backward_kernel)
     _fold_kernel = DirectLauncher(msda_fold_replicas_kernel)
     _LISTS = {kernel: DirectLauncher(kernel) for kernel in deterministic.KERNELS}
+    _shared_tile_kernel = launch.msda_shared_tile_kernel and DirectLauncher(launch.msda_shared_tile_kernel)
 
 _FLOATS = frozenset(validation.FLOAT_DTYPES)
 _INDICES = frozenset(validation.INDEX_DTYPES)
@@ -186,15 +187,25 @@ def launch_backward(
         scratch_dtype = launch.softmax_scratch_dtype(value, sampling_locations, attention_weights)
         scratch = grad_attn if scratch_dtype == grad_attn.dtype else torch.empty_like(grad_attn, dtype=scratch_dtype)
     if grad_attn.numel() > 0:
+        shared_tile = launch.shared_tile_applies(
+            value, sampling_locations, grad_output, grad_value, softmax=softmax,
+            fixed_point=fixed_point_scale is not None, replicas=replicas is not None,
+        )  # fmt: skip
         grid, args, constexprs = launch.backward_call(
             grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
             grad_value, grad_loc, grad_attn, softmax=softmax, scratch=scratch, fixed_point_scale=fixed_point_scale,
-            replicas=replicas, lists=lists,
+            replicas=replicas, lists=lists, shared_tile=shared_tile,
         )  # fmt: skip
         _launch(_backward_kernel, grid, args, constexprs, value.device)
         if replicas is not None:
             grid, args, constexprs = launch.fold_call(grad_value, replicas, spatial_shapes, level_start_index, Q, K)
             _launch(_fold_kernel, grid, args, constexprs, value.device)
+        if shared_tile:
+            grid, args, constexprs = launch.shared_tile_call(
+                grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                grad_value,
+            )  # fmt: skip
+            _launch(_shared_tile_kernel, grid, args, constexprs, value.device)
     if grad_value is None:  # the deterministic mode's lists (ops._launch_backward has the same)
         if grad_attn.numel() == 0:
             return torch.zeros_like(value), grad_loc, grad_attn

@@ -177,6 +177,11 @@ def _launch_backward(
             device=value.device,
         )
     if grad_attn.numel() > 0:
+        # Plain CUDA tensors outside tracing only (the Gluon kernel is not traceable).
+        shared_tile = launch.shared_tile_applies(
+            value, sampling_locations, grad_output, grad_value, softmax=softmax,
+            fixed_point=fixed_point_scale is not None, replicas=replicas is not None,
+        )  # fmt: skip
         grid, args, constexprs = launch.backward_call(
             grad_output,
             value,
@@ -192,6 +197,7 @@ def _launch_backward(
             fixed_point_scale=fixed_point_scale,
             replicas=replicas,
             lists=lists,
+            shared_tile=shared_tile,
         )
         with _on_device(value.device):
             kernel, kwargs = launch.traceable(msda_backward_kernel, constexprs)
@@ -199,6 +205,12 @@ def _launch_backward(
             if replicas is not None:
                 grid, args, constexprs = launch.fold_call(grad_value, replicas, spatial_shapes, level_start_index, Q, K)
                 wrap_triton(msda_fold_replicas_kernel)[grid](*args, **constexprs)
+            if shared_tile:
+                grid, args, constexprs = launch.shared_tile_call(
+                    grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                    grad_value,
+                )  # fmt: skip
+                launch.msda_shared_tile_kernel[grid](*args, **constexprs)
     if grad_value is None:  # the deterministic mode's lists
         if grad_attn.numel() == 0:
             return torch.zeros_like(value), grad_loc, grad_attn

@@ -148,6 +148,11 @@ def kernel_calls(
                 every_out, value, shapes, starts, every_loc, every_attn, grad_value, torch.zeros_like(every_loc),
                 torch.zeros_like(every_attn), softmax=softmax, scratch=every_scratch,
             )[1:]))  # fmt: skip
+            if dtype == "float32" and not softmax:  # the last level left to the shared tile (shared_tile.py)
+                calls.append((msda_backward_kernel, *launch.backward_call(
+                    every_out, value, shapes, starts, every_loc, every_attn, grad_value, torch.zeros_like(every_loc),
+                    torch.zeros_like(every_attn), shared_tile=True,
+                )[1:]))  # fmt: skip
         replicas = torch.zeros(B, 2, M, head_dim, dtype=accumulator)
         calls += [
             (msda_backward_kernel, *launch.backward_call(
@@ -273,6 +278,27 @@ def written_arguments(kernel, args: tuple, constexprs: dict) -> list[str]:
         driver._active = previous
 
 
+def compile_shared_tile_for_hopper() -> None:
+    """msda_shared_tile_kernel (a Gluon kernel: its own AST source) for sm_90, with the arguments
+    `launch.shared_tile_call` gives at the encoder preset's shape. (Not traced by torch.compile,
+    so no written-arguments check.)"""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    kernel = launch.msda_shared_tile_kernel
+    value = torch.zeros(1, 3, 8, 32)
+    loc, attn = torch.zeros(1, 3, 8, 4, 4, 2), torch.zeros(1, 3, 8, 4, 4)
+    shapes, starts = torch.ones(4, 2, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+    _, args, constexprs = launch.shared_tile_call(torch.zeros(1, 3, 256), value, shapes, starts, loc, attn, value)
+    values = {k: v for k, v in constexprs.items() if k not in LAUNCH_OPTIONS}
+    pointers = [name for name, arg in zip(kernel.arg_names, args) if not isinstance(arg, int)]
+    source = GluonASTSource(
+        kernel, signature(kernel, args, constexprs),
+        constexprs={(kernel.arg_names.index(k),): v for k, v in values.items()},
+        attrs={(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointers},
+    )  # fmt: skip
+    triton.compile(source, target=HOPPER, options={k: v for k, v in constexprs.items() if k in LAUNCH_OPTIONS})
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--full", action="store_true", help="108 (L, K, D) shapes and int64 indices too")
@@ -313,6 +339,14 @@ def main() -> int:
                 failures += 1
                 first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
                 print(f"FAIL {what}: {first_line}", flush=True)
+    if launch.msda_shared_tile_kernel is not None:  # Gluon: compiled once, at the preset's constants
+        checked += 1
+        try:
+            compile_shared_tile_for_hopper()
+        except Exception as error:  # noqa: BLE001
+            failures += 1
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            print(f"FAIL msda_shared_tile_kernel: {first_line}", flush=True)
     print(f"triton {triton.__version__}: {checked - failures} of {checked} kernels compiled for sm_90, "
           "torch.compile sees them write their outputs alone")
     return 1 if failures else 0

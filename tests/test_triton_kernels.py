@@ -10,7 +10,7 @@ from msda import ops
 from msda.kernels import backward as backward_kernel
 from msda.kernels import forward as forward_kernel
 from msda.kernels import launch
-from msda.testing import Shape, make_inputs, reference
+from msda.testing import Shape, make_inputs, reference, reference_with_grads, relative_error
 from msda.testing_cases import EdgeCase
 
 from .helpers import assert_matches_reference, forward_backward, random_like_output
@@ -322,6 +322,52 @@ def test_last_batch_first():
         sums.append(grads)
     for name, a, b in zip(("grad_value", "grad_loc", "grad_attn"), *sums):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("last_level", [(3, 2), (18, 17)], ids=["fits", "too-large"])
+def test_backward_leaves_the_shared_tiles_level(last_level):
+    """With shared_tile the backward kernel leaves the last level's grad_value adds to the
+    shared-memory tile kernel (msda/kernels/shared_tile.py, which only a GPU runs) where that level
+    has at most launch.SHARED_TILE_PIXELS pixels, and adds it itself where it has more; every
+    other gradient as without."""
+    shape = Shape(batch=2, queries=5, heads=2, head_dim=6, levels=((5, 6), last_level), points=2)
+    inputs = make_inputs(shape, torch.float32, DEVICE, outside_fraction=0.25, seed=86)
+    grad_output = random_like_output(inputs)
+    value, shapes, starts, loc, attn = inputs.args()
+    grads = [torch.zeros_like(value), torch.empty_like(loc), torch.empty_like(attn)]
+    grid, args, constexprs = launch.backward_call(
+        grad_output, value, shapes, starts, loc, attn, *grads, shared_tile=True
+    )
+    assert constexprs["TILE_PIXELS"] == launch.SHARED_TILE_PIXELS
+    backward_kernel.msda_backward_kernel[grid](*args, **constexprs)
+    _, grad_value, grad_loc, grad_attn = reference_with_grads(inputs, grad_output)
+    last = slice(int(starts[-1]), None)
+    fits = last_level[0] * last_level[1] <= launch.SHARED_TILE_PIXELS
+    assert grad_value[:, last].abs().sum() > 0  # the test would pass vacuously without samples there
+    if fits:
+        assert torch.count_nonzero(grads[0][:, last]) == 0
+        grad_value[:, last] = 0
+    for name, actual, expected in zip(("value", "loc", "attn"), grads, (grad_value, grad_loc, grad_attn)):
+        assert relative_error(actual, expected) <= 1e-5, f"grad_{name}"
+
+
+def test_shared_tile_rule(monkeypatch):
+    """The shared-memory tile is opt-in (launch.SHARED_TILE) and never taken by CPU tensors (nor in
+    the interpreter), the deterministic mode, the fused softmax or without a grad_value to add to
+    (tests/gpu/test_gpu_shared_tile.py has the CUDA side)."""
+    encoder = Shape(batch=1, queries=36, heads=2, head_dim=32, levels=((5, 6), (3, 2)), points=4)
+    value, shapes, starts, loc, attn = make_inputs(encoder, torch.float32, "cpu", seed=87).args()
+    grad_output = torch.zeros(1, 36, 64)
+
+    def applies(grad_value=torch.zeros(0), **flags):
+        return launch.shared_tile_applies(
+            value, loc, grad_output, grad_value, **{"softmax": False, "fixed_point": False, "replicas": False, **flags}
+        )
+
+    assert not applies()  # off by default
+    monkeypatch.setattr(launch, "SHARED_TILE", True)
+    assert not applies()  # CPU tensors
+    assert not applies(grad_value=None) and not applies(softmax=True) and not applies(fixed_point=True)
 
 
 def test_value_eviction_rule(monkeypatch):

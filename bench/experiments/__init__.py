@@ -1,1 +1,1 @@
-"""Kernel experiments kept for their measurements (bench/NOTES.md); not part of msda."""
+"""Timings of kernel options msda has but does not take by default (bench/NOTES.md)."""

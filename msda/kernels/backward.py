@@ -54,6 +54,7 @@ def msda_backward_kernel(
     GRAD_VALUE: tl.constexpr,  # False: no grad_value (the deterministic mode's lists sum it: deterministic.py)
     VALUE_EVICTION: tl.constexpr,  # the value gathers' L2 eviction hint ("" or "evict_first")
     COUNT_STRIDE: tl.constexpr,  # > 0: count each sample into its list, counters this many int32 apart
+    TILE_PIXELS: tl.constexpr,  # > 0: the last level's adds are shared_tile.py's where it has at most this many pixels
 ):
     # The forward's program layout and tile (msda/kernels/forward.py explains both).
     pid = tl.program_id(0)
@@ -139,6 +140,9 @@ def msda_backward_kernel(
             start = tl.load(starts_ptr + level).to(b.dtype)
         usable = level_ok(h, w, start, num_values)
         level_row = (b * num_values + start) * NUM_HEADS + m
+        adds = d_ok  # the grad_value adds' mask beside the corners'
+        if TILE_PIXELS > 0:  # that level's sums are msda_shared_tile_kernel's (shared_tile.py) where it fits its tile
+            adds = d_ok & ((level != NUM_LEVELS - 1) | (h * w > TILE_PIXELS))
         # grad_value is summed at accumulator + corner (corner: the value element's offset), in
         # grad_value itself or, on a level with replicas, in the program's replica of its rows.
         accumulator = grad_value_ptr
@@ -214,7 +218,7 @@ def msda_backward_kernel(
                     _to_accumulator(
                         (a_top * (1.0 - fx))[:, :, None, None] * grad_out, fixed_point_scale, ACCUMULATOR, FIXED_POINT
                     ),
-                    mask=(left & top)[:, :, None, None] & d_ok,
+                    mask=(left & top)[:, :, None, None] & adds,
                     sem="relaxed",
                 )
             v = tl.load(
@@ -230,7 +234,7 @@ def msda_backward_kernel(
                     _to_accumulator(
                         (a_top * fx)[:, :, None, None] * grad_out, fixed_point_scale, ACCUMULATOR, FIXED_POINT
                     ),
-                    mask=(right & top)[:, :, None, None] & d_ok,
+                    mask=(right & top)[:, :, None, None] & adds,
                     sem="relaxed",
                 )
             v = tl.load(
@@ -249,7 +253,7 @@ def msda_backward_kernel(
                         ACCUMULATOR,
                         FIXED_POINT,
                     ),
-                    mask=(left & bottom)[:, :, None, None] & d_ok,
+                    mask=(left & bottom)[:, :, None, None] & adds,
                     sem="relaxed",
                 )
             v = tl.load(
@@ -265,7 +269,7 @@ def msda_backward_kernel(
                     _to_accumulator(
                         (a_bottom * fx)[:, :, None, None] * grad_out, fixed_point_scale, ACCUMULATOR, FIXED_POINT
                     ),
-                    mask=(right & bottom)[:, :, None, None] & d_ok,
+                    mask=(right & bottom)[:, :, None, None] & adds,
                     sem="relaxed",
                 )
             grad_attn = (1.0 - fy) * ((1.0 - fx) * dot_tl + fx * dot_tr) + fy * ((1.0 - fx) * dot_bl + fx * dot_br)

@@ -30,6 +30,11 @@ from .deterministic import (
 )
 from .forward import msda_forward_kernel
 
+try:  # Gluon (triton.experimental): a triton without it, or with another API, goes without the kernel
+    from .shared_tile import msda_shared_tile_kernel
+except Exception:  # noqa: BLE001
+    msda_shared_tile_kernel = None
+
 
 # Points per group unrolled in one loop step. The presets (K = 4) unroll 2 (forward) and 1
 # (backward) either way; more only lengthened compiles: at L x K = 128 the forward and backward
@@ -348,6 +353,7 @@ def backward_call(
     fixed_point_scale: Tensor | None = None,
     replicas: Tensor | None = None,
     lists: ListBuffers | None = None,
+    shared_tile: bool = False,
 ) -> tuple[tuple[int], tuple, dict]:
     """(grid, positional arguments, constexpr arguments) of msda_backward_kernel; grad_output's
     channels must be contiguous (its other strides may be anything, 0 included), the other
@@ -365,7 +371,10 @@ def backward_call(
 
     grad_value None: the kernel computes the other two gradients alone (the deterministic mode's
     `deterministic_grad_value` sums grad_value); with `lists` (`list_buffers`) it also counts the
-    samples of that mode's lists and leaves each one's rank in its list."""
+    samples of that mode's lists and leaves each one's rank in its list.
+
+    shared_tile (`shared_tile_applies`): the last level's adds are left to `shared_tile_call`'s
+    kernel where that level fits its tile."""
     B, S, M, D = value.shape
     _, Q, _, L, K, _ = sampling_locations.shape
     summed_by_lists = grad_value is None  # the deterministic mode's lists sum grad_value
@@ -377,6 +386,7 @@ def backward_call(
         replicas is not None, 0 if summed_by_lists else grad_value.element_size(),
         not summed_by_lists and value_rows_evicted_first(grad_value, Q, S),
         0 if lists is None else list_rule(Q, S, value).count_stride,
+        SHARED_TILE_PIXELS if shared_tile else 0,
         config or (LIST_BACKWARD if summed_by_lists else None) or backward_config,
     )  # fmt: skip
     if softmax and scratch is None:
@@ -412,7 +422,7 @@ def backward_call(
 def _backward_constexprs(
     L: int, K: int, M: int, D: int, dtype: torch.dtype, compute, every_pixel: bool, index_64: bool,
     level_starts: bool, softmax: bool, fixed_point: bool, replicas: bool, accumulator_size: int,
-    value_evicted_first: bool, count_stride: int, config,
+    value_evicted_first: bool, count_stride: int, tile_pixels: int, config,
 ) -> dict:  # fmt: skip
     """backward_call's settings (accumulator_size: grad_value's element size, 0 for the lists; config:
     a TileConfig or the launch rule, as for `_forward_constexprs`)."""
@@ -437,6 +447,7 @@ def _backward_constexprs(
         GRAD_VALUE=accumulator_size > 0,
         VALUE_EVICTION="evict_first" if value_evicted_first else "",
         COUNT_STRIDE=count_stride,
+        TILE_PIXELS=tile_pixels,
     )
     constexprs["PREFETCH"] = bool(config.prefetch) and constexprs["UNROLL"] == 1
     return constexprs
@@ -455,6 +466,64 @@ def value_rows_evicted_first(grad_value: Tensor, num_queries, num_values) -> boo
         and register_target(grad_value.device)
         and not every_pixel_a_query(num_queries, num_values)
     )
+
+
+# The last level's grad_value summed in shared memory by kernels/shared_tile.py (a Gluon kernel;
+# bench/NOTES.md entry 49): on the H200 the float32 encoder preset's backward 822-829 us against
+# 868-872, 791-800 against 826-840 under `local`. Opt-in (MSDA_SHARED_TILE=1) until the GPU tier
+# has run with it on; torch.compile and export trace the operator without it either way.
+SHARED_TILE = os.environ.get("MSDA_SHARED_TILE", "0") == "1"
+SHARED_TILE_PIXELS = 287  # a level of at most this many pixels fits the tile (its rows, then one for outside)
+SHARED_TILE_QUERIES = 256  # queries a program (entry 49: 64 / 128 / 256 took 167 / 147 / 142 us)
+
+
+def shared_tile_applies(
+    value: Tensor, sampling_locations: Tensor, grad_output: Tensor, grad_value: Tensor | None, *, softmax: bool,
+    fixed_point: bool, replicas: bool,
+) -> bool:  # fmt: skip
+    """Whether a backward call's last level goes to the shared-memory tile: where it is on and
+    measured (float32 and its accumulator, head_dim 32, 4 points, every pixel a query, Hopper,
+    32-bit indices; not the deterministic mode, the fused softmax or replicas), on plain CUDA
+    tensors outside tracing (Inductor cannot compile the Gluon kernel; the interpreter cannot
+    run it). Whether the level fits the tile is the kernels' to say, on the device."""
+    if not SHARED_TILE or msda_shared_tile_kernel is None or grad_value is None or softmax or fixed_point:
+        return False
+    _, Q, _, _, K, _ = sampling_locations.shape
+    return (
+        type(value) is torch.Tensor
+        and value.is_cuda
+        and os.environ.get("TRITON_INTERPRET") != "1"
+        and value.dtype == torch.float32
+        and grad_value.dtype == torch.float32
+        and not replicas
+        and value.shape[3] == 32
+        and K == 4
+        and every_pixel_a_query(Q, value.shape[1])
+        and register_target(value.device)
+        and not needs_int64(value, sampling_locations, grad_output)
+    )
+
+
+def shared_tile_call(
+    grad_output: Tensor, value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor | None,
+    sampling_locations: Tensor, attention_weights: Tensor, grad_value: Tensor,
+) -> tuple[tuple[int], tuple, dict]:  # fmt: skip
+    """(grid, positional arguments, constexpr arguments) of msda_shared_tile_kernel for a call
+    `shared_tile_applies` took, after the backward kernel's launch with shared_tile=True."""
+    B, S, M, D = value.shape
+    _, Q, _, L, K, _ = sampling_locations.shape
+    grid = (B * M * _cdiv(Q, SHARED_TILE_QUERIES),)
+    args = (
+        grad_output, grad_output.stride(0), grad_output.stride(1), spatial_shapes,
+        spatial_shapes if level_start_index is None else level_start_index,  # unread if None
+        sampling_locations, attention_weights, grad_value, Q, S,
+    )  # fmt: skip
+    constexprs = dict(
+        LVL=int(L) - 1, NUM_HEADS=int(M), HEAD_DIM=int(D), NUM_LEVELS=int(L), NUM_POINTS=int(K),
+        QB=SHARED_TILE_QUERIES, DUMMY=SHARED_TILE_PIXELS, STAGE=SHARED_TILE_PIXELS + 1, ROWS=SHARED_TILE_PIXELS + 33,
+        LEVEL_STARTS=level_start_index is not None, num_warps=4,
+    )  # fmt: skip
+    return grid, args, constexprs
 
 
 FOLD_TILE_ELEMENTS = 2048  # a fold program's pixels times their M * D elements (rounded up to a power of 2)

@@ -1,23 +1,28 @@
-"""An experiment, not part of msda: one level's grad_value summed per program in a shared-memory
-tile, read-modify-write without atomics (bench/NOTES.md entry 49; `shared_tile.py` runs it).
+"""The last level's grad_value summed per program in shared memory (bench/NOTES.md entry 49).
 
 The float32 encoder backward is bound by its L2 reductions (entries 33, 46): the coarsest level's
 corner rows, a quarter of them, cost 211 us of the preset's ~870 because ~330 samples land on each
-of its 273 pixels a head. Summed on the SM first, each program adds a pixel's row once.
+of its 273 pixels a head. Summed on the SM first, each program adds a pixel's row once: the
+backward kernel leaves that level's adds out (TILE_PIXELS) and this kernel sums them, 822-829 /
+791-800 us in all at the preset on an H200 (uniform / `local`).
+
 Triton has no shared memory a kernel can index; Gluon (triton.experimental, 3.6) allocates it,
 and inline PTX reads and writes it (Gluon's own loads and stores of a row put a barrier around
 each). Gluon kernels do not run in Triton's interpreter, and Inductor cannot compile one passed
-through `triton_op` / `wrap_triton` (torch 2.11: "name 'gl' is not defined"): so this is eager-only.
+through `triton_op` / `wrap_triton` (torch 2.11: "name 'gl' is not defined"): launch.py takes
+it for plain CUDA tensors only, outside tracing, and only where `launch.SHARED_TILE` is on.
 
-A program (NW = 4 warps) takes QB queries of one (batch, head). Warp w owns channels 8w..8w+7 of
-the tile, a lane (c, j) of it corner c and channel 8w + j: no two lanes of the program ever touch
-one address at once. A round takes 32 samples (8 queries x 4 points): each warp places them, a
-sample a lane, and stages each corner's row and weight in shared memory (its own staging area);
-then for each sample in turn every lane reads its corner's record and adds weight * grad_out
-into its element of the tile (ld.shared, add, st.shared, in program order). Then the tile's rows
-are added into grad_value, one atomic row each. Rows: [0, area) the level, DUMMY for corners
-outside, STAGE.. the staging areas; the level must have at most DUMMY pixels (not checked here).
-The unrolled lines below are what a loop over 32 records would be: the JIT has no register arrays."""
+A program (4 warps) takes QB queries of one (batch, head). Warp w owns channels 8w..8w+7 of the
+tile, a lane (c, j) of it corner c and channel 8w + j: no two lanes of the program ever touch
+one address at once, so no atomics. A round takes 32 samples (8 queries x 4 points): each warp
+places them, a sample a lane, and stages each corner's row and weight in shared memory (its own
+staging area); then for each sample in turn every lane adds weight * grad_out into its element
+of the tile (ld.shared, add, st.shared, in program order). Then the tile's rows are added into
+grad_value, one atomic row each. Rows: [0, area) the level, DUMMY for corners outside, STAGE..
+the staging areas. A level of more than DUMMY pixels is left to the backward kernel (which adds
+it where TILE_PIXELS says it does not fit): the choice is made on the device, where the sizes are.
+The unrolled lines below are what a loop over 32 records would be: the JIT has no register arrays.
+"""
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -61,7 +66,7 @@ def _corner(xi, yi, w, h, weight, DUMMY: gl.constexpr):
 
 
 @gluon.jit
-def coarse_level_grad_value_kernel(
+def msda_shared_tile_kernel(
     grad_out_ptr,  # (B, Q, M * D), channels contiguous
     grad_out_stride_b,
     grad_out_stride_q,

@@ -1,0 +1,95 @@
+"""GPU tier: the float32 encoder backward's last level summed in a shared-memory tile
+(msda/kernels/shared_tile.py, opt-in with launch.SHARED_TILE; bench/NOTES.md entry 49) against the
+float64 oracle: at the encoder preset, at shapes the preset does not reach (samples outside,
+queries not a multiple of a program's, a last level of exactly launch.SHARED_TILE_PIXELS pixels
+and one past it, an expanded grad_output, no level starts), through the operator called eagerly,
+and under torch.compile (which traces the operator without the tile kernel)."""
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import msda
+from msda.kernels import launch
+from msda.testing import PRESETS, Shape, make_inputs
+
+from ..helpers import assert_matches_reference, forward_backward, random_like_output
+
+ENCODER_LEVELS = ((24, 30), (12, 15), (6, 8), (3, 4))
+
+
+@pytest.fixture(autouse=True)
+def shared_tile(monkeypatch):
+    if launch.msda_shared_tile_kernel is None or not launch.register_target(torch.device("cuda")):
+        pytest.skip("the shared tile needs triton's Gluon and a Hopper GPU (launch.shared_tile_applies)")
+    monkeypatch.setattr(launch, "SHARED_TILE", True)
+
+
+def encoder(levels, seed, **kwargs):
+    S = sum(h * w for h, w in levels)
+    shape = Shape(batch=2, queries=S, heads=8, head_dim=32, levels=levels, points=4)
+    return make_inputs(shape, torch.float32, "cuda", seed=seed, **kwargs)
+
+
+def kernel_names(fn) -> set[str]:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+
+
+@pytest.mark.parametrize("dist", ["uniform", "local"])
+def test_encoder_preset(dist):
+    inputs = make_inputs(PRESETS["encoder"], torch.float32, "cuda", dist=dist, seed=88)
+    grad_output = random_like_output(inputs)
+    results = []
+    names = kernel_names(lambda: results.append(forward_backward(inputs, grad_output)))
+    assert "msda_shared_tile_kernel" in names
+    assert_matches_reference(inputs, results[0], grad_output)
+
+
+@pytest.mark.parametrize(
+    "levels",
+    [ENCODER_LEVELS, ((14, 82), (7, 41)), ((20, 25), (18, 17))],
+    ids=["small", "last-level-287-pixels", "last-level-306-pixels"],
+)
+def test_levels_inside_and_past_the_tile(levels):
+    """A quarter of the samples outside; S = Q = 960, 1435, 806: not multiples of the 256 queries
+    of a program. The 306-pixel level is the backward kernel's to add (the tile kernel does nothing)."""
+    inputs = encoder(levels, seed=89, outside_fraction=0.25)
+    grad_output = random_like_output(inputs)
+    assert_matches_reference(inputs, forward_backward(inputs, grad_output), grad_output)
+
+
+def test_expanded_grad_output_and_no_level_starts():
+    inputs = encoder(ENCODER_LEVELS, seed=90, outside_fraction=0.25)
+    B, Q, MD = inputs.attention_weights.shape[0], inputs.attention_weights.shape[1], 8 * 32
+    grad_output = torch.randn(B, 1, MD, device="cuda").expand(B, Q, MD)
+    assert_matches_reference(inputs, forward_backward(inputs, grad_output), grad_output)
+
+    def without_starts(value, shapes, starts, loc, attn):
+        return msda.multi_scale_deformable_attention(value, shapes, None, loc, attn)
+
+    assert_matches_reference(inputs, forward_backward(inputs, grad_output, without_starts), grad_output)
+
+
+def test_operator_called_eagerly():
+    inputs = encoder(ENCODER_LEVELS, seed=91, outside_fraction=0.25)
+    grad_output = random_like_output(inputs)
+    value, shapes, starts, loc, attn = inputs.args()
+    out = torch.ops.msda.forward(value, shapes, starts, loc, attn)
+    grads = []
+    names = kernel_names(lambda: grads.extend(torch.ops.msda.backward(grad_output, value, shapes, starts, loc, attn)))
+    assert "msda_shared_tile_kernel" in names
+    assert_matches_reference(inputs, (out, *grads), grad_output)
+
+
+def test_compiled_without_the_tile():
+    """torch.compile traces the operator: the plain backward kernel, the same gradients."""
+    inputs = encoder(ENCODER_LEVELS, seed=92, outside_fraction=0.25)
+    grad_output = random_like_output(inputs)
+    compiled = torch.compile(msda.multi_scale_deformable_attention, fullgraph=True)
+    results = []
+    names = kernel_names(lambda: results.append(forward_backward(inputs, grad_output, compiled)))
+    assert "msda_shared_tile_kernel" not in names
+    assert_matches_reference(inputs, results[0], grad_output)
