@@ -3,7 +3,7 @@
 The float32 encoder backward is bound by its L2 reductions (entries 33, 46): the coarsest level's
 corner rows, a quarter of them, cost 211 us of the preset's ~870 because ~330 samples land on each
 of its 273 pixels a head. Summed on the SM first, each program adds a pixel's row once: the
-backward kernel leaves that level's adds out (TILE_PIXELS) and this kernel sums them, 822-829 /
+backward kernel leaves that level's adds out (TILE_PIXELS) and this kernel sums them, 822-831 /
 791-800 us in all at the preset on an H200 (uniform / `local`).
 
 Triton has no shared memory a kernel can index; Gluon (triton.experimental, 3.6) allocates it,
