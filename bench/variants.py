@@ -257,29 +257,46 @@ def _msda_op(cell: Cell) -> Case:
     )
 
 
-def _msda_deterministic(cell: Cell) -> Case:
-    """_msda_op with torch.use_deterministic_algorithms(True) around each call: the backward's
-    fixed-point sums (and PyTorch's own deterministic-mode work, such as filling new tensors)."""
-    case = _msda_op(cell)
+def _around(case: Case, enter: Callable[[], Callable[[], None]]) -> Case:
+    """`case` with `enter()` before each call and what it returns after (a setting on, then back)."""
 
-    def deterministic(fn):
+    def wrapped(fn):
         def call():
-            previous = torch.are_deterministic_algorithms_enabled()
-            torch.use_deterministic_algorithms(True)
+            leave = enter()
             try:
                 return fn()
             finally:
-                torch.use_deterministic_algorithms(previous)
+                leave()
 
         return call
 
     return replace(
-        case,
-        forward=deterministic(case.forward),
-        backward=deterministic(case.backward),
-        step=deterministic(case.step),
-        results=deterministic(case.results),
-    )
+        case, forward=wrapped(case.forward), backward=wrapped(case.backward), step=wrapped(case.step),
+        results=wrapped(case.results),
+    )  # fmt: skip
+
+
+def _msda_deterministic(cell: Cell) -> Case:
+    """_msda_op with torch.use_deterministic_algorithms(True) around each call: the backward's
+    lists (and PyTorch's own deterministic-mode work, such as filling new tensors)."""
+
+    def enter():
+        previous = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        return lambda: torch.use_deterministic_algorithms(previous)
+
+    return _around(_msda_op(cell), enter)
+
+
+def _msda_shared_tile(cell: Cell) -> Case:
+    """_msda_op with msda.kernels.launch.SHARED_TILE on around each call (MSDA_SHARED_TILE=1)."""
+    from msda.kernels import launch
+
+    def enter():
+        previous, launch.SHARED_TILE = launch.SHARED_TILE, True
+        return lambda: setattr(launch, "SHARED_TILE", previous)
+
+    return _around(_msda_op(cell), enter)
 
 
 def _msda_autograd(cell: Cell, starts_given: bool = True) -> Case:
@@ -467,8 +484,16 @@ VARIANTS = (
         "op",
         False,
         "torch.ops.msda.forward / backward under torch.use_deterministic_algorithms(True): the "
-        "backward's 64-bit fixed-point sums, bitwise run to run",
+        "backward's lists, bitwise run to run",
         _msda_deterministic,
+    ),
+    Variant(
+        "msda-shared-tile",
+        "op",
+        False,
+        "torch.ops.msda.forward / backward with MSDA_SHARED_TILE=1: a float32 encoder's last level summed "
+        "in shared memory (Hopper; the same as msda elsewhere)",
+        _msda_shared_tile,
     ),
     Variant(
         "msda-autograd",
