@@ -2,6 +2,7 @@
 (TRITON_INTERPRET=1, set by conftest.py), compiled on CUDA where a GPU is present."""
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -364,7 +365,9 @@ def test_shared_tile_rule(monkeypatch):
             value, loc, grad_output, grad_value, **{"softmax": False, "fixed_point": False, "replicas": False, **flags}
         )
 
-    assert not applies()  # off by default
+    assert launch.SHARED_TILE == (os.environ.get("MSDA_SHARED_TILE") == "1")  # off unless asked for
+    monkeypatch.setattr(launch, "SHARED_TILE", False)
+    assert not applies()
     monkeypatch.setattr(launch, "SHARED_TILE", True)
     assert not applies()  # CPU tensors
     assert not applies(grad_value=None) and not applies(softmax=True) and not applies(fixed_point=True)
