@@ -230,17 +230,17 @@ def signature(kernel, args: tuple, constexprs: dict) -> dict:
 
 
 def compile_for_hopper(
-    kernel, args: tuple, constexprs: dict, timed: bool = False, constant_ints: bool = False
+    kernel, args: tuple, constexprs: dict, timed: bool = False, constant_ints: bool = False, source_type=ASTSource
 ) -> float:
     """Compile for sm_90 as a launch with these arguments would (16-byte-aligned pointers), or
     with `constant_ints` as torch.compile's code would with static shapes (every integer
-    argument a constexpr); returns the seconds it took."""
+    argument a constexpr); returns the seconds it took. source_type: GluonASTSource for a Gluon kernel."""
     if constant_ints:
         ints = {name: a for name, a in zip(kernel.arg_names, args) if isinstance(a, int)}
         constexprs = {**constexprs, **ints}
     values = {k: v for k, v in constexprs.items() if k not in LAUNCH_OPTIONS}
     pointers = [name for name, a in zip(kernel.arg_names, args) if not isinstance(a, int)]
-    source = ASTSource(
+    source = source_type(
         kernel,
         signature(kernel, args, constexprs),
         constexprs={(kernel.arg_names.index(k),): v for k, v in values.items()},
@@ -284,19 +284,11 @@ def compile_shared_tile_for_hopper() -> None:
     so no written-arguments check.)"""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    kernel = launch.msda_shared_tile_kernel
     value = torch.zeros(1, 3, 8, 32)
     loc, attn = torch.zeros(1, 3, 8, 4, 4, 2), torch.zeros(1, 3, 8, 4, 4)
     shapes, starts = torch.ones(4, 2, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
     _, args, constexprs = launch.shared_tile_call(torch.zeros(1, 3, 256), value, shapes, starts, loc, attn, value)
-    values = {k: v for k, v in constexprs.items() if k not in LAUNCH_OPTIONS}
-    pointers = [name for name, arg in zip(kernel.arg_names, args) if not isinstance(arg, int)]
-    source = GluonASTSource(
-        kernel, signature(kernel, args, constexprs),
-        constexprs={(kernel.arg_names.index(k),): v for k, v in values.items()},
-        attrs={(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointers},
-    )  # fmt: skip
-    triton.compile(source, target=HOPPER, options={k: v for k, v in constexprs.items() if k in LAUNCH_OPTIONS})
+    compile_for_hopper(launch.msda_shared_tile_kernel, args, constexprs, source_type=GluonASTSource)
 
 
 def main() -> int:
