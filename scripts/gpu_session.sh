@@ -30,8 +30,9 @@ pytest_log() {  # pytest_log NAME TIMEOUT_S ARGS...: one pytest process, its out
   python3 -m pytest "$@" -q -rfEs --durations=10 -p no:cacheprovider >"$out/$name.log" 2>&1
 }
 
-sanitize() {  # memcheck over the Triton kernels' edge shapes; nonzero exit on any error
-  compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize.py
+sanitize() {  # memcheck over the kernels' edge shapes, racecheck over the shared tile's; nonzero exit on any error
+  compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize.py \
+    && compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 9 python3 scripts/sanitize.py --shared-tile-only
 }
 
 tier() {

@@ -61,6 +61,7 @@ def test_default_runs_the_tier_and_the_bench(tmp_path):
     every = {f"tests/gpu/{p.name}" for p in (Path(__file__).parent / "gpu").glob("test_*.py")}
     assert gpu_files == every  # the tier runs every GPU test file
     assert any(c.startswith("compute-sanitizer --tool memcheck") for c in calls)
+    assert any(c.startswith("compute-sanitizer --tool racecheck") and c.endswith("--shared-tile-only") for c in calls)
     assert any(c.startswith(f"python3 -m bench --out {tmp_path / 'out' / 'bench'}") for c in calls)
     assert (tmp_path / "out" / "rest.log").read_text().strip() == "3 passed in 0.01s"
 

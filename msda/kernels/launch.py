@@ -473,7 +473,7 @@ def value_rows_evicted_first(grad_value: Tensor, num_queries, num_values) -> boo
 # 868-872, 791-800 against 826-840 under `local`. Opt-in (MSDA_SHARED_TILE=1) until the GPU tier
 # has run with it on; torch.compile and export trace the operator without it either way.
 SHARED_TILE = os.environ.get("MSDA_SHARED_TILE", "0") == "1"
-SHARED_TILE_PIXELS = 287  # a level of at most this many pixels fits the tile (its rows, then one for outside)
+SHARED_TILE_PIXELS = 284  # a level of at most this many pixels fits the tile (its rows, four for outside, 32 to stage)
 SHARED_TILE_QUERIES = 256  # queries a program (entry 49: 64 / 128 / 256 took 167 / 147 / 142 us)
 
 
@@ -520,7 +520,7 @@ def shared_tile_call(
     )  # fmt: skip
     constexprs = dict(
         LVL=int(L) - 1, NUM_HEADS=int(M), HEAD_DIM=int(D), NUM_LEVELS=int(L), NUM_POINTS=int(K),
-        QB=SHARED_TILE_QUERIES, DUMMY=SHARED_TILE_PIXELS, STAGE=SHARED_TILE_PIXELS + 1, ROWS=SHARED_TILE_PIXELS + 33,
+        QB=SHARED_TILE_QUERIES, DUMMY=SHARED_TILE_PIXELS, STAGE=SHARED_TILE_PIXELS + 4, ROWS=SHARED_TILE_PIXELS + 36,
         LEVEL_STARTS=level_start_index is not None, num_warps=4,
     )  # fmt: skip
     return grid, args, constexprs

@@ -13,14 +13,16 @@ through `triton_op` / `wrap_triton` (torch 2.11: "name 'gl' is not defined"): la
 it for plain CUDA tensors only, outside tracing, and only where `launch.SHARED_TILE` is on.
 
 A program (4 warps) takes QB queries of one (batch, head). Warp w owns channels 8w..8w+7 of the
-tile, a lane (c, j) of it corner c and channel 8w + j: no two lanes of the program ever touch
-one address at once, so no atomics. A round takes 32 samples (8 queries x 4 points): each warp
-places them, a sample a lane, and stages each corner's row and weight in shared memory (its own
-staging area); then for each sample in turn every lane adds weight * grad_out into its element
-of the tile (ld.shared, add, st.shared, in program order). Then the tile's rows are added into
-grad_value, one atomic row each. Rows: [0, area) the level, DUMMY for corners outside, STAGE..
-the staging areas. A level of more than DUMMY pixels is left to the backward kernel (which adds
-it where TILE_PIXELS says it does not fit): the choice is made on the device, where the sizes are.
+tile, a lane (c, j) of it corner c and channel 8w + j: a sample's four corners are four pixels,
+so no two lanes of the program touch one address at once (corners outside the level go to one
+of four rows past it, DUMMY + c, whose sums are thrown away), and no atomics. A round takes 32
+samples (8 queries x 4 points): each warp places them, a sample a lane, and stages each corner's
+row and weight in shared memory (its own staging area); then for each sample in turn every lane
+adds weight * grad_out into its element of the tile (ld.shared, add, st.shared; a warp barrier
+between two adds). Then the tile's rows are added into grad_value, one atomic row each. Rows:
+[0, area) the level, DUMMY..DUMMY + 3 for corners outside, STAGE.. the staging areas. A level of
+more than DUMMY pixels is left to the backward kernel (which adds it where TILE_PIXELS says it
+does not fit): the choice is made on the device, where the sizes are.
 The unrolled lines below are what a loop over 32 records would be: the JIT has no register arrays.
 """
 from triton.experimental import gluon
@@ -46,9 +48,12 @@ def _ld_record(address):
 
 @gluon.jit
 def _rmw(address, value):
+    # Consecutive adds of one warp reach one row from different lanes (a pixel that is corner 0 of
+    # one sample and corner 1 of the next): the warp barrier orders them as the PTX memory model
+    # asks. ptxas lowers it to a NOP in this converged warp (sm_90 SASS: 32 NOPs a round, nothing else).
     return gl.inline_asm_elementwise(
-        "{ .reg .f32 t; ld.shared.f32 t, [$1]; add.f32 t, t, $2; st.shared.f32 [$1], t; mov.b32 $0, 0; }",
-        "=r,r,f", [address, value], dtype=gl.int32, is_pure=False, pack=1)
+        "{ .reg .f32 t; bar.warp.sync -1; ld.shared.f32 t, [$1]; add.f32 t, t, $2; st.shared.f32 [$1], t; "
+        "mov.b32 $0, 0; }", "=r,r,f", [address, value], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -58,11 +63,11 @@ def _warp_sync(like):
 
 
 @gluon.jit
-def _corner(xi, yi, w, h, weight, DUMMY: gl.constexpr):
-    """(the row's byte offset | its swizzle's bits 5-6, the weight)"""
+def _corner(xi, yi, w, h, weight, DUMMY: gl.constexpr, C: gl.constexpr):
+    """(the row's byte offset | its swizzle's bits 5-6, the weight) of corner C"""
     inside = (xi >= 0) & (xi < w) & (yi >= 0) & (yi < h)
     offset = (yi * w + xi) * 128 + (((yi & 1) * 2 + (xi & 1)) * 32)
-    return gl.where(inside, offset, DUMMY * 128), gl.where(inside, weight, 0.0)
+    return gl.where(inside, offset, (DUMMY + C) * 128 + C * 32), gl.where(inside, weight, 0.0)
 
 
 @gluon.jit
@@ -83,7 +88,7 @@ def msda_shared_tile_kernel(
     NUM_LEVELS: gl.constexpr,
     NUM_POINTS: gl.constexpr,
     QB: gl.constexpr,
-    DUMMY: gl.constexpr,  # a row past the level's: corners outside it add there
+    DUMMY: gl.constexpr,  # the first of four rows past the level's: a corner c outside it adds to DUMMY + c
     STAGE: gl.constexpr,  # the first row of the staging areas (1 KB a warp)
     ROWS: gl.constexpr,
     LEVEL_STARTS: gl.constexpr,  # False: the level starts at num_values - its size (LVL the last level)
@@ -91,16 +96,16 @@ def msda_shared_tile_kernel(
     gl.static_assert(HEAD_DIM == 32)
     gl.static_assert(NUM_POINTS == 4)
     NW: gl.constexpr = 4
-    gl.static_assert(DUMMY < STAGE)
+    gl.static_assert(DUMMY + 4 <= STAGE)
     gl.static_assert(STAGE + NW * 8 <= ROWS)  # a warp's staging area: 32 samples x 4 records x 8 bytes
+    gl.static_assert(STAGE % 32 == 0 and ROWS % 32 == 0)  # the zeroing's blocks of 32 rows
     # A pixel (y, x)'s row holds channel c at c ^ 8 * ((y % 2) * 2 + x % 2): a sample's four corner
     # rows, which a warp's lanes read at once (8 channels each), fall in four different 8-bank groups.
     ROW_BYTES: gl.constexpr = HEAD_DIM * 4
-    smem = gl.allocate_shared_memory(gl.float32, [ROWS, 1, HEAD_DIM], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    one_row: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NW], [1, 0])
-    # The tile is read and written through inline PTX at global_smem (this allocation is the
-    # kernel's only one, at offset 0); a store through the descriptor keeps the allocation.
-    smem.index(0).store(gl.zeros([1, HEAD_DIM], gl.float32, one_row))
+    # Blocks of 32 rows, row-major: the tile is read and written through inline PTX at global_smem
+    # (this allocation is the kernel's only one, at offset 0), row r at r * ROW_BYTES; the zeroing
+    # below is Gluon's store (which keeps the allocation).
+    smem = gl.allocate_shared_memory(gl.float32, [ROWS // 32, 32, HEAD_DIM], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     # Where the level has more pixels than the tile holds, this kernel does nothing (and the
     # backward kernel adds that level itself: it masks the level's adds only where it fits).
     h = gl.load(shapes_ptr + 2 * LVL).to(gl.int32)
@@ -116,11 +121,8 @@ def msda_shared_tile_kernel(
         t_rows = gl.arange(0, 32, gl.SliceLayout(1, tile32))[:, None]
         t_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, tile32))[None, :]
         smem_base = _asm_u32("mov.b32 $0, global_smem;", t_rows * 0)
-        t_addr = smem_base + t_rows * ROW_BYTES + t_cols * 4
-        zero = gl.zeros([32, HEAD_DIM], gl.float32, tile32)
-        for z0 in gl.static_range(0, ROWS, 32):
-            gl.inline_asm_elementwise("st.shared.f32 [$1], $2; mov.b32 $0, 0;", "=r,r,f",
-                                      [t_addr + z0 * ROW_BYTES, zero], dtype=gl.int32, is_pure=False, pack=1)
+        for z in gl.static_range(STAGE // 32):  # the level's rows and the four outside
+            smem.index(z).store(gl.zeros([32, HEAD_DIM], gl.float32, tile32))
         gl.thread_barrier()
 
         pid = gl.program_id(0)
@@ -200,10 +202,10 @@ def msda_shared_tile_kernel(
             ca = gl.where(inside, ca, 0.0)
             x0 = gl.where(inside, x0f, 0.0).to(gl.int32)
             y0 = gl.where(inside, y0f, 0.0).to(gl.int32)
-            r0, w0 = _corner(x0, y0, w, h, ca * (1.0 - fy) * (1.0 - fx), DUMMY)
-            r1, w1 = _corner(x0 + 1, y0, w, h, ca * (1.0 - fy) * fx, DUMMY)
-            r2, w2 = _corner(x0, y0 + 1, w, h, ca * fy * (1.0 - fx), DUMMY)
-            r3, w3 = _corner(x0 + 1, y0 + 1, w, h, ca * fy * fx, DUMMY)
+            r0, w0 = _corner(x0, y0, w, h, ca * (1.0 - fy) * (1.0 - fx), DUMMY, 0)
+            r1, w1 = _corner(x0 + 1, y0, w, h, ca * (1.0 - fy) * fx, DUMMY, 1)
+            r2, w2 = _corner(x0, y0 + 1, w, h, ca * fy * (1.0 - fx), DUMMY, 2)
+            r3, w3 = _corner(x0 + 1, y0 + 1, w, h, ca * fy * fx, DUMMY, 3)
             _warp_sync(lane)  # the previous round's records all read
             _st2(stage, r0, w0)
             _st2(stage + 8, r1, w1)

@@ -1,5 +1,5 @@
 """GPU tier: the float32 encoder backward's last level summed in a shared-memory tile
-(msda/kernels/shared_tile.py, opt-in with launch.SHARED_TILE; bench/NOTES.md entry 49) against the
+(msda/kernels/shared_tile.py, launch.SHARED_TILE; bench/NOTES.md entry 49) against the
 float64 oracle: at the encoder preset, at shapes the preset does not reach (samples outside,
 queries not a multiple of a program's, a last level of exactly launch.SHARED_TILE_PIXELS pixels
 and one past it, an expanded grad_output, no level starts), through the operator called eagerly,
@@ -50,12 +50,14 @@ def test_encoder_preset(dist):
 
 @pytest.mark.parametrize(
     "levels",
-    [ENCODER_LEVELS, ((14, 82), (7, 41)), ((20, 25), (18, 17))],
-    ids=["small", "last-level-287-pixels", "last-level-306-pixels"],
+    [ENCODER_LEVELS, ((8, 142), (4, 71)), ((10, 114), (5, 57))],
+    ids=["small", "last-level-284-pixels", "last-level-285-pixels"],
 )
 def test_levels_inside_and_past_the_tile(levels):
-    """A quarter of the samples outside; S = Q = 960, 1435, 806: not multiples of the 256 queries
-    of a program. The 306-pixel level is the backward kernel's to add (the tile kernel does nothing)."""
+    """A quarter of the samples outside; S = Q = 960, 1420, 1425: not multiples of the 256 queries
+    of a program. The tile holds launch.SHARED_TILE_PIXELS = 284 pixels: the 285-pixel level is the
+    backward kernel's to add (the tile kernel does nothing)."""
+    assert 4 * 71 == launch.SHARED_TILE_PIXELS  # the two levels straddle the tile's size
     inputs = encoder(levels, seed=89, outside_fraction=0.25)
     grad_output = random_like_output(inputs)
     assert_matches_reference(inputs, forward_backward(inputs, grad_output), grad_output)
