@@ -87,7 +87,7 @@ def test_cli_defaults_and_filters_on_a_cpu():
                                      "--dtype", "float32", "--dist", "local", "--peers", "--variants", "msda*"]))
     assert config.presets == list(PRESETS)
     assert config.dtypes == ["float16", "bfloat16", "float32"] and config.dists == ["local"]
-    assert [v.name for v in config.variants] == ["msda", "msda-deterministic", "msda-shared-tile", "msda-autograd",
+    assert [v.name for v in config.variants] == ["msda", "msda-deterministic", "msda-no-shared-tile", "msda-autograd",
                                                  "msda-autograd-no-starts", "msda-graph"]
     assert not any(v.peer for v in config_from(parse_args(["--device", "cpu", "--peers"])).variants)
     with pytest.raises(SystemExit):

@@ -353,9 +353,9 @@ def test_backward_leaves_the_shared_tiles_level(last_level):
 
 
 def test_shared_tile_rule(monkeypatch):
-    """The shared-memory tile is opt-in (launch.SHARED_TILE) and never taken by CPU tensors (nor in
-    the interpreter), the deterministic mode, the fused softmax or without a grad_value to add to
-    (tests/gpu/test_gpu_shared_tile.py has the CUDA side)."""
+    """The shared-memory tile is on unless MSDA_SHARED_TILE=0 (launch.SHARED_TILE) and never taken by
+    CPU tensors (nor in the interpreter), the deterministic mode, the fused softmax or without a
+    grad_value to add to (tests/gpu/test_gpu_shared_tile.py has the CUDA side)."""
     encoder = Shape(batch=1, queries=36, heads=2, head_dim=32, levels=((5, 6), (3, 2)), points=4)
     value, shapes, starts, loc, attn = make_inputs(encoder, torch.float32, "cpu", seed=87).args()
     grad_output = torch.zeros(1, 36, 64)
@@ -365,7 +365,7 @@ def test_shared_tile_rule(monkeypatch):
             value, loc, grad_output, grad_value, **{"softmax": False, "fixed_point": False, "replicas": False, **flags}
         )
 
-    assert launch.SHARED_TILE == (os.environ.get("MSDA_SHARED_TILE") == "1")  # off unless asked for
+    assert launch.SHARED_TILE == (os.environ.get("MSDA_SHARED_TILE") != "0")  # on unless turned off
     monkeypatch.setattr(launch, "SHARED_TILE", False)
     assert not applies()
     monkeypatch.setattr(launch, "SHARED_TILE", True)
