@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+import triton
 
 from msda import ops
 from msda.kernels import backward as backward_kernel
@@ -366,6 +367,8 @@ def test_shared_tile_rule(monkeypatch):
         )
 
     assert launch.SHARED_TILE == (os.environ.get("MSDA_SHARED_TILE") != "0")  # on unless turned off
+    measured = triton.__version__.split(".")[:2] == launch.SHARED_TILE_TRITON.split(".")
+    assert (launch.msda_shared_tile_kernel is not None) == measured  # only on the triton it was measured on
     monkeypatch.setattr(launch, "SHARED_TILE", False)
     assert not applies()
     monkeypatch.setattr(launch, "SHARED_TILE", True)

@@ -30,10 +30,16 @@ from .deterministic import (
 )
 from .forward import msda_forward_kernel
 
-try:  # Gluon (triton.experimental): a triton without it, or with another API, goes without the kernel
-    from .shared_tile import msda_shared_tile_kernel
-except Exception:  # noqa: BLE001
-    msda_shared_tile_kernel = None
+# Gluon (triton.experimental) changes its API from one release to the next: the shared tile's
+# kernel is taken on the triton it was written and measured on, and other releases go without it
+# (as does a triton without Gluon): a new one must not turn into an error at a backward's launch.
+SHARED_TILE_TRITON = "3.6"
+msda_shared_tile_kernel = None
+if triton.__version__.split(".")[:2] == SHARED_TILE_TRITON.split("."):
+    try:
+        from .shared_tile import msda_shared_tile_kernel
+    except Exception:  # noqa: BLE001
+        pass
 
 
 # Points per group unrolled in one loop step. The presets (K = 4) unroll 2 (forward) and 1
