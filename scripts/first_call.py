@@ -1,11 +1,13 @@
 """Time the first forward + backward call of a process (Triton compiles included) for one (L, K).
 
-    python scripts/first_call.py L K [--dtype float32] [--head-dim 32] [--forward-tile Q,G,T,...]
+    python scripts/first_call.py L K [--dtype float32] [--head-dim 32] [--encoder] [--forward-tile Q,G,T,...]
 
 Run it with an empty Triton cache (TRITON_CACHE_DIR pointing at a new directory) so the kernels
 compile: prints the seconds of the first call (its forward and backward apart), of a second call,
 and since the interpreter started.
 bench/NOTES.md (entries 16 and 26) has the numbers; the bound a first call must stay under is 5 s.
+300 queries by default (a decoder's rules); --encoder makes every pixel a query (an encoder's
+rules, and on a Hopper GPU in float32 at head_dim 32 and 4 points the shared tile's Gluon kernel).
 --forward-tile launches the forward at those settings instead of the rule's (the fields of
 msda.kernels.launch.TileConfig, as bench.tune takes them): to weigh a candidate rule's compile time.
 The host's timings move by a third between processes: alternate the candidates in one session.
@@ -32,6 +34,7 @@ def main() -> None:
     parser.add_argument("points", type=int)
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
     parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--encoder", action="store_true", help="every pixel a query (Q = S) instead of 300")
     parser.add_argument("--forward-tile", metavar="Q,G,T[,...]", help="TileConfig fields for the forward")
     opts = parser.parse_args()
     if opts.forward_tile:
@@ -40,8 +43,9 @@ def main() -> None:
         tile = launch.TileConfig(*(int(n) for n in opts.forward_tile.split(",")))
         launch.forward_config = lambda *args: tile
     sizes = [(64, 64), (32, 32), (16, 16), (8, 8), (4, 4), (2, 2), (1, 1), (1, 1)]
-    shape = Shape(batch=2, queries=300, heads=8, head_dim=opts.head_dim, levels=tuple(sizes[: opts.levels]),
-                  points=opts.points)  # fmt: skip
+    levels = tuple(sizes[: opts.levels])
+    queries = sum(h * w for h, w in levels) if opts.encoder else 300
+    shape = Shape(batch=2, queries=queries, heads=8, head_dim=opts.head_dim, levels=levels, points=opts.points)
     inputs = make_inputs(shape, DTYPES[opts.dtype], "cuda", requires_grad=True)
     torch.cuda.synchronize()
     times = []  # (forward, backward) seconds of each call
@@ -54,7 +58,7 @@ def main() -> None:
         torch.cuda.synchronize()
         times.append((middle - start, time.perf_counter() - middle))
     (forward, backward), second = times[0], sum(times[1])
-    print(f"L={opts.levels} K={opts.points} {opts.dtype} {opts.forward_tile or 'rule'}: "
+    print(f"L={opts.levels} K={opts.points} {opts.dtype} Q={queries} {opts.forward_tile or 'rule'}: "
           f"first forward+backward {forward + backward:.2f} s (forward {forward:.2f}, backward {backward:.2f}), "
           f"second {second * 1e3:.1f} ms, since start {time.perf_counter() - START:.1f} s")  # fmt: skip
 
