@@ -1,4 +1,4 @@
-"""The last level's grad_value summed per program in shared memory (bench/NOTES.md entry 49).
+"""The last level's grad_value summed per program in shared memory (bench/NOTES.md entries 49, 50).
 
 The float32 encoder backward is bound by its L2 reductions (entries 33, 46): the coarsest level's
 corner rows, a quarter of them, cost 211 us of the preset's ~870 because ~330 samples land on each
