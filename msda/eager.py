@@ -20,7 +20,7 @@ from torch import Tensor
 from . import ops, torch_impl, validation
 
 if ops.HAS_TRITON:
-    from .kernels import launch
+    from .kernels import ahead, launch
     from .kernels.backward import (
         finish_grad_value,
         grad_value_buffer,
@@ -205,6 +205,7 @@ def launch_backward(
                 grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
                 grad_value,
             )  # fmt: skip
+            ahead.wait(launch.msda_shared_tile_kernel)  # compile_shared_tile_ahead's compile, if the forward began one
             _launch(_shared_tile_kernel, grid, args, constexprs, value.device)
     if grad_value is None:  # the deterministic mode's lists (ops._launch_backward has the same)
         if grad_attn.numel() == 0:
@@ -272,6 +273,10 @@ class _Function(torch.autograd.Function):
     def forward(ctx, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax):
         ctx.save_for_backward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
         ctx.softmax = softmax
+        if not softmax:
+            launch.compile_shared_tile_ahead(
+                value, spatial_shapes, level_start_index, sampling_locations, attention_weights
+            )
         return launch_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax)
 
     @staticmethod

@@ -27,7 +27,7 @@ from .validation import check_backward_args, check_forward_args, check_level_dat
 try:
     import triton  # noqa: F401
 
-    from .kernels import launch
+    from .kernels import ahead, launch
     from .kernels.backward import (
         finish_grad_value,
         grad_value_buffer,
@@ -210,6 +210,7 @@ def _launch_backward(
                     grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
                     grad_value,
                 )  # fmt: skip
+                ahead.wait(launch.msda_shared_tile_kernel)  # compile_shared_tile_ahead's compile, if one began
                 launch.msda_shared_tile_kernel[grid](*args, **constexprs)
     if grad_value is None:  # the deterministic mode's lists
         if grad_attn.numel() == 0:
@@ -274,6 +275,12 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
+def _setup_forward_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+    if HAS_TRITON:  # the shared tile's kernel, if the backward will take it (never while tracing)
+        launch.compile_shared_tile_ahead(*inputs)
+
+
 def _backward_rule(ctx, grad_output):
     value, spatial_shapes, level_start_index, sampling_locations, attention_weights = ctx.saved_tensors
     grad_value, grad_loc, grad_attn = torch.ops.msda.backward(
@@ -282,7 +289,7 @@ def _backward_rule(ctx, grad_output):
     return grad_value, None, None, grad_loc, grad_attn
 
 
-forward.register_autograd(_backward_rule, setup_context=_setup_context)
+forward.register_autograd(_backward_rule, setup_context=_setup_forward_context)
 
 
 # The backward's own derivative (double backward: gradient penalties, Hessian-vector products).

@@ -1,6 +1,7 @@
 """Time the first forward + backward call of a process (Triton compiles included) for one (L, K).
 
-    python scripts/first_call.py L K [--dtype float32] [--head-dim 32] [--encoder] [--forward-tile Q,G,T,...]
+    python scripts/first_call.py L K [--dtype float32] [--head-dim 32] [--encoder] [--tile-at-launch]
+        [--forward-tile Q,G,T,...]
 
 Run it with an empty Triton cache (TRITON_CACHE_DIR pointing at a new directory) so the kernels
 compile: prints the seconds of the first call (its forward and backward apart), of a second call,
@@ -8,6 +9,8 @@ and since the interpreter started.
 bench/NOTES.md (entries 16 and 26) has the numbers; the bound a first call must stay under is 5 s.
 300 queries by default (a decoder's rules); --encoder makes every pixel a query (an encoder's
 rules, and on a Hopper GPU in float32 at head_dim 32 and 4 points the shared tile's Gluon kernel).
+--tile-at-launch leaves the shared tile's compile to the backward's launch (as before bench/NOTES.md
+entry 51: no compile begun by the forward, launch.compile_shared_tile_ahead).
 --forward-tile launches the forward at those settings instead of the rule's (the fields of
 msda.kernels.launch.TileConfig, as bench.tune takes them): to weigh a candidate rule's compile time.
 The host's timings move by a third between processes: alternate the candidates in one session.
@@ -35,6 +38,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--encoder", action="store_true", help="every pixel a query (Q = S) instead of 300")
+    parser.add_argument("--tile-at-launch", action="store_true", help="no shared-tile compile begun by the forward")
     parser.add_argument("--forward-tile", metavar="Q,G,T[,...]", help="TileConfig fields for the forward")
     opts = parser.parse_args()
     if opts.forward_tile:
@@ -42,6 +46,10 @@ def main() -> None:
 
         tile = launch.TileConfig(*(int(n) for n in opts.forward_tile.split(",")))
         launch.forward_config = lambda *args: tile
+    if opts.tile_at_launch:
+        from msda.kernels import launch
+
+        launch.compile_shared_tile_ahead = lambda *args: None
     sizes = [(64, 64), (32, 32), (16, 16), (8, 8), (4, 4), (2, 2), (1, 1), (1, 1)]
     levels = tuple(sizes[: opts.levels])
     queries = sum(h * w for h, w in levels) if opts.encoder else 300
@@ -58,7 +66,8 @@ def main() -> None:
         torch.cuda.synchronize()
         times.append((middle - start, time.perf_counter() - middle))
     (forward, backward), second = times[0], sum(times[1])
-    print(f"L={opts.levels} K={opts.points} {opts.dtype} Q={queries} {opts.forward_tile or 'rule'}: "
+    rule = (opts.forward_tile or "rule") + " tile-at-launch" * opts.tile_at_launch
+    print(f"L={opts.levels} K={opts.points} {opts.dtype} Q={queries} {rule}: "
           f"first forward+backward {forward + backward:.2f} s (forward {forward:.2f}, backward {backward:.2f}), "
           f"second {second * 1e3:.1f} ms, since start {time.perf_counter() - START:.1f} s")  # fmt: skip
 

@@ -21,6 +21,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from . import ahead
 from .backward import FIXED_POINT_BITS, msda_backward_kernel
 from .deterministic import (
     msda_fixed_point_scale_kernel,
@@ -492,7 +493,14 @@ def shared_tile_applies(
     32-bit indices; not the deterministic mode, the fused softmax or replicas), on plain CUDA
     tensors outside tracing (Inductor cannot compile the Gluon kernel; the interpreter cannot
     run it). Whether the level fits the tile is the kernels' to say, on the device."""
-    if not SHARED_TILE or msda_shared_tile_kernel is None or grad_value is None or softmax or fixed_point:
+    if grad_value is None or softmax or fixed_point or replicas or grad_value.dtype != torch.float32:
+        return False
+    return _shared_tile_shape(value, sampling_locations) and not needs_int64(value, sampling_locations, grad_output)
+
+
+def _shared_tile_shape(value: Tensor, sampling_locations: Tensor) -> bool:
+    """`shared_tile_applies`' conditions on the inputs alone."""
+    if not SHARED_TILE or msda_shared_tile_kernel is None:
         return False
     _, Q, _, _, K, _ = sampling_locations.shape
     return (
@@ -500,14 +508,33 @@ def shared_tile_applies(
         and value.is_cuda
         and os.environ.get("TRITON_INTERPRET") != "1"
         and value.dtype == torch.float32
-        and grad_value.dtype == torch.float32
-        and not replicas
         and value.shape[3] == 32
         and K == 4
         and every_pixel_a_query(Q, value.shape[1])
         and register_target(value.device)
-        and not needs_int64(value, sampling_locations, grad_output)
     )
+
+
+def compile_shared_tile_ahead(
+    value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor | None, sampling_locations: Tensor,
+    attention_weights: Tensor,
+) -> None:  # fmt: skip
+    """From a forward whose backward will run: start compiling the shared tile's kernel if the
+    backward will take it (kernels/ahead.py; its first launch adds over a second to a float32
+    encoder's first backward, NOTES entry 51). Its key as the backward's launch will have it
+    (a contiguous grad_output: autograd's, unless a sum's expanded one, which compiles again)."""
+    if (
+        _shared_tile_shape(value, sampling_locations)
+        and not torch.are_deterministic_algorithms_enabled()  # the fixed point's: no tile
+        and not torch.cuda.is_current_stream_capturing()
+        and not needs_int64(value, sampling_locations)
+    ):
+        B, S, M, D = value.shape
+        grad_output = torch.empty_strided((B, S, M * D), (S * M * D, M * D, 1), device="meta")
+        _, args, constexprs = shared_tile_call(
+            grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, value
+        )
+        ahead.start(msda_shared_tile_kernel, args, constexprs, value.device)
 
 
 def shared_tile_call(

@@ -3,14 +3,16 @@
 float64 oracle: at the encoder preset, at shapes the preset does not reach (samples outside,
 queries not a multiple of a program's, a last level of exactly launch.SHARED_TILE_PIXELS pixels
 and one past it, an expanded grad_output, no level starts), through the operator called eagerly,
-and under torch.compile (which traces the operator without the tile kernel)."""
+and under torch.compile (which traces the operator without the tile kernel); its compile begun
+by the forward (kernels/ahead.py) under the key its launch looks up."""
 
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import msda
-from msda.kernels import launch
+from msda import eager
+from msda.kernels import ahead, launch
 from msda.testing import PRESETS, Shape, make_inputs
 
 from ..helpers import assert_matches_reference, forward_backward, random_like_output
@@ -95,3 +97,29 @@ def test_compiled_without_the_tile():
     names = kernel_names(lambda: results.append(forward_backward(inputs, grad_output, compiled)))
     assert "msda_shared_tile_kernel" not in names
     assert_matches_reference(inputs, results[0], grad_output)
+
+
+@pytest.mark.parametrize("route", ["fast-path", "operator"])
+def test_compiled_ahead_by_the_forward(route, monkeypatch):
+    """A forward whose backward takes the tile compiles the tile kernel in a thread
+    (launch.compile_shared_tile_ahead) under the key the backward's launch looks up: the launch
+    compiles nothing more."""
+    kernel = launch.msda_shared_tile_kernel
+    monkeypatch.setattr(ahead, "_started", set())  # as in a new process: nothing compiled yet
+    monkeypatch.setattr(eager._shared_tile_kernel, "compiled", {})
+    kernel.device_caches.clear()
+    inputs = encoder(ENCODER_LEVELS, seed=93, outside_fraction=0.25)
+    grad_output = random_like_output(inputs)
+    value, shapes, starts, loc, attn = inputs.args()
+    value, loc, attn = (t.detach().clone().requires_grad_() for t in (value, loc, attn))
+    if route == "fast-path":
+        out = msda.multi_scale_deformable_attention(value, shapes, starts, loc, attn)
+    else:
+        out = torch.ops.msda.forward(value, shapes, starts, loc, attn)
+    ahead.wait(kernel)
+    compiled = kernel.device_caches[value.device.index][0]
+    assert len(compiled) == 1  # compiled by the thread, before any backward
+    grads = []
+    names = kernel_names(lambda: grads.extend(torch.autograd.grad(out, (value, loc, attn), grad_output)))
+    assert "msda_shared_tile_kernel" in names and len(compiled) == 1
+    assert_matches_reference(inputs, (out.detach(), *grads), grad_output)
