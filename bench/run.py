@@ -232,6 +232,7 @@ def _time_cuda(case: Case, rows: dict[str, dict]) -> None:
         if not case.capture_backward and case.capturable:
             # Autograd's backward cannot be captured alone (its forward ran outside the capture):
             # capture forward+backward together and subtract the forward's graph time.
+            case.release()  # no autograd node made on the default stream left for the capture to meet
             calls, _ = _counts(case.step)
             step = _guarded(bwd, "graph", lambda: graph_device_time(case.step, calls, GRAPH_REPLAYS))
             backward["graph"] = _minus(step, forward["graph"])

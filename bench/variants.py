@@ -76,6 +76,10 @@ class Case:
     results: Callable[[], tuple[Tensor, ...]]  # output and the three gradients (RESULT_NAMES)
     capture_backward: bool = False  # backward() alone can be captured in a CUDA graph
     capturable: bool = True  # forward() and step() can be captured (False: already CUDA graphs)
+    # Drops what backward() keeps alive between calls (it makes it again when called): a forward
+    # made on the default stream, whose leaves' AccumulateGrad nodes a capture of step() would
+    # otherwise reuse, making the default stream wait inside the capture, which invalidates it.
+    release: Callable[[], None] = lambda: None
 
 
 @dataclass(frozen=True)
@@ -221,10 +225,12 @@ def _autograd_case(
     then runs once per forward: with retain=False the backward is timed as step minus forward.
     `params` get gradients too, as in training, but are not compared with the oracle."""
     wrt = (*leaves, *params)
-    out = call() if retain else None
+    kept = [call()] if retain else []  # the forward backward() reuses
 
     def backward():
-        return torch.autograd.grad(out, wrt, grad, retain_graph=True)
+        if not kept:
+            kept.append(call())
+        return torch.autograd.grad(kept[0], wrt, grad, retain_graph=True)
 
     def step():
         return torch.autograd.grad(call(), wrt, grad)
@@ -233,7 +239,9 @@ def _autograd_case(
         fresh = call()
         return (fresh.detach(), *torch.autograd.grad(fresh, wrt, grad)[: len(leaves)])
 
-    return Case(forward=call, backward=backward if retain else None, step=step, results=results)
+    return Case(
+        forward=call, backward=backward if retain else None, step=step, results=results, release=kept.clear
+    )
 
 
 # --- msda --------------------------------------------------------------------------------------

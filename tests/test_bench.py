@@ -7,6 +7,7 @@ import argparse
 import json
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,7 +21,9 @@ from bench.merge import merge
 from bench.phases import by_name, per_launch
 from bench.timing import AGREEMENT, Timing, agree, device_events_us
 from bench.tune import _list_tile, _tiles
-from bench.variants import PRESETS, SMOKE, VARIANTS, Cell, _msda_autograd, _msda_op, _reference, grid_sample_msda
+from bench.variants import (
+    PRESETS, SMOKE, VARIANTS, Cell, _autograd_case, _msda_autograd, _msda_op, _reference, grid_sample_msda,
+)
 from msda.kernels.launch import TileConfig
 from msda.testing import TOLERANCE, Shape, make_inputs, reference
 
@@ -129,6 +132,37 @@ def test_cuda_bookkeeping_with_stand_in_timers(monkeypatch):
             assert "graph: (forward+backward) - forward" in bwd["notes"]
         if name == "compiled":
             assert bwd["peak_bytes"] == 30000 and any("(forward+backward) - forward" in n for n in bwd["notes"])
+
+
+def test_autograd_case_keeps_no_forward_alive_when_the_step_is_captured(monkeypatch):
+    """An autograd variant's backward() reuses one forward; it is dropped before step() is
+    captured (its leaves' AccumulateGrad nodes, made on the default stream, would make the
+    default stream wait inside the capture and invalidate it), and made again when needed."""
+    leaf = torch.randn(3, requires_grad=True)
+    made = []
+
+    def call():
+        out = leaf * 2
+        made.append(weakref.ref(out))
+        return out
+
+    case = _autograd_case(call, (leaf,), torch.ones(3))
+    alive_at_capture = []
+
+    def graph_device_time(fn, calls, replays):
+        alive_at_capture.append(any(ref() is not None for ref in made))
+        return Timing([1.0] * 3)
+
+    monkeypatch.setattr(bench_run, "_counts", lambda fn: (3, 5))
+    monkeypatch.setattr(bench_run, "profiler_device_time", lambda fn, calls, repeats: Timing([1.0] * repeats))
+    monkeypatch.setattr(bench_run, "graph_device_time", graph_device_time)
+    monkeypatch.setattr(bench_run, "end_to_end_time", lambda fn, calls, repeats: Timing([1.0] * repeats))
+    monkeypatch.setattr(bench_run, "peak_memory_bytes", lambda fn: 0)
+    variant = next(v for v in VARIANTS if v.name == "msda-autograd")
+    rows = {p: bench_run._row({}, variant, p, "ok", "") for p in schema.PASSES}
+    bench_run._time_cuda(case, rows)
+    assert alive_at_capture == [True, False]  # the forward's capture, then the step's
+    assert torch.equal(case.backward()[0], torch.full((3,), 2.0))  # a forward made again
 
 
 def test_ratios_use_the_fastest_baseline_within_tolerance():
