@@ -205,13 +205,12 @@ def _launch_backward(
             if replicas is not None:
                 grid, args, constexprs = launch.fold_call(grad_value, replicas, spatial_shapes, level_start_index, Q, K)
                 wrap_triton(msda_fold_replicas_kernel)[grid](*args, **constexprs)
-            if shared_tile:
-                grid, args, constexprs = launch.shared_tile_call(
-                    grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                    grad_value,
-                )  # fmt: skip
-                ahead.wait(launch.msda_shared_tile_kernel)  # compile_shared_tile_ahead's compile, if one began
-                launch.msda_shared_tile_kernel[grid](*args, **constexprs)
+        if shared_tile:
+            tile_args = (grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+            if type(grad_value) is torch.Tensor:  # eager: launch it here (no second dispatch)
+                _launch_shared_tile(*tile_args, grad_value)
+            else:  # traced: an opaque call (Inductor cannot compile Gluon kernels)
+                torch.ops.msda.add_shared_tile_(*tile_args, grad_value)
     if grad_value is None:  # the deterministic mode's lists
         if grad_attn.numel() == 0:
             return torch.zeros_like(value), grad_loc, grad_attn
@@ -222,6 +221,38 @@ def _launch_backward(
             )  # fmt: skip
         return grad_value, grad_loc, grad_attn
     return finish_grad_value(grad_value, fixed_point_scale, value.dtype), grad_loc, grad_attn
+
+
+def _launch_shared_tile(
+    grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_value
+) -> None:
+    """Add the last level's grad_value, summed in shared memory (kernels/shared_tile.py), into
+    grad_value, after the backward kernel left those adds out (launch.shared_tile_applies)."""
+    grid, args, constexprs = launch.shared_tile_call(
+        grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_value
+    )
+    ahead.wait(launch.msda_shared_tile_kernel)  # compile_shared_tile_ahead's compile, if one began
+    with _on_device(value.device):
+        launch.msda_shared_tile_kernel[grid](*args, **constexprs)
+
+
+# Not a triton_op: Inductor cannot compile the Gluon kernel, and keeps a custom op opaque (an
+# extern call on real tensors when the graph runs). The traced backward body calls it.
+@torch.library.custom_op("msda::add_shared_tile_", mutates_args=("grad_value",), device_types="cuda")
+def _add_shared_tile_op(
+    grad_output: Tensor, value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor,
+    sampling_locations: Tensor, attention_weights: Tensor, grad_value: Tensor,
+) -> None:  # fmt: skip
+    _launch_shared_tile(
+        grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_value
+    )
+
+
+@_add_shared_tile_op.register_fake
+def _add_shared_tile_fake(
+    grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_value
+) -> None:
+    return None
 
 
 def _traceable_launch(kernel, grid, args, constexprs) -> None:

@@ -490,9 +490,10 @@ def shared_tile_applies(
 ) -> bool:  # fmt: skip
     """Whether a backward call's last level goes to the shared-memory tile: where it is on and
     measured (float32 and its accumulator, head_dim 32, 4 points, every pixel a query, Hopper,
-    32-bit indices; not the deterministic mode, the fused softmax or replicas), on plain CUDA
-    tensors outside tracing (Inductor cannot compile the Gluon kernel; the interpreter cannot
-    run it). Whether the level fits the tile is the kernels' to say, on the device."""
+    32-bit indices; not the deterministic mode, the fused softmax or replicas), on CUDA tensors
+    (traced ones too: the operator's traced body calls the kernel through msda::add_shared_tile_,
+    which Inductor keeps opaque; not in the interpreter, which cannot run Gluon). Whether the
+    level fits the tile is the kernels' to say, on the device."""
     if grad_value is None or softmax or fixed_point or replicas or grad_value.dtype != torch.float32:
         return False
     return _shared_tile_shape(value, sampling_locations) and not needs_int64(value, sampling_locations, grad_output)
@@ -504,8 +505,7 @@ def _shared_tile_shape(value: Tensor, sampling_locations: Tensor) -> bool:
         return False
     _, Q, _, _, K, _ = sampling_locations.shape
     return (
-        type(value) is torch.Tensor
-        and value.is_cuda
+        value.is_cuda
         and os.environ.get("TRITON_INTERPRET") != "1"
         and value.dtype == torch.float32
         and value.shape[3] == 32
@@ -524,7 +524,8 @@ def compile_shared_tile_ahead(
     encoder's first backward, NOTES entry 51). Its key as the backward's launch will have it
     (a contiguous grad_output: autograd's, unless a sum's expanded one, which compiles again)."""
     if (
-        _shared_tile_shape(value, sampling_locations)
+        type(value) is torch.Tensor  # not traced: a thread is for a call that runs now
+        and _shared_tile_shape(value, sampling_locations)
         and not torch.are_deterministic_algorithms_enabled()  # the fixed point's: no tile
         and not torch.cuda.is_current_stream_capturing()
         and not needs_int64(value, sampling_locations)

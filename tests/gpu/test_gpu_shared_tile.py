@@ -3,8 +3,8 @@
 float64 oracle: at the encoder preset, at shapes the preset does not reach (samples outside,
 queries not a multiple of a program's, a last level of exactly launch.SHARED_TILE_PIXELS pixels
 and one past it, an expanded grad_output, no level starts), through the operator called eagerly,
-and under torch.compile (which traces the operator without the tile kernel); its compile begun
-by the forward (kernels/ahead.py) under the key its launch looks up."""
+and under torch.compile (the traced backward calls it through msda::add_shared_tile_); its
+compile begun by the forward (kernels/ahead.py) under the key its launch looks up."""
 
 import pytest
 import torch
@@ -88,15 +88,20 @@ def test_operator_called_eagerly():
     assert_matches_reference(inputs, (out, *grads), grad_output)
 
 
-def test_compiled_without_the_tile():
-    """torch.compile traces the operator: the plain backward kernel, the same gradients."""
-    inputs = encoder(ENCODER_LEVELS, seed=92, outside_fraction=0.25)
-    grad_output = random_like_output(inputs)
-    compiled = torch.compile(msda.multi_scale_deformable_attention, fullgraph=True)
-    results = []
-    names = kernel_names(lambda: results.append(forward_backward(inputs, grad_output, compiled)))
-    assert "msda_shared_tile_kernel" not in names
-    assert_matches_reference(inputs, results[0], grad_output)
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_compiled_with_the_tile(dynamic):
+    """torch.compile traces the operator's backward body: the tile kernel runs through
+    msda::add_shared_tile_ (Inductor keeps it an opaque call), with the gradients of eager calls
+    and no recompile for a second image size under dynamic shapes."""
+    compiled = torch.compile(msda.multi_scale_deformable_attention, fullgraph=True, dynamic=dynamic)
+    for call, levels in enumerate((ENCODER_LEVELS, ((20, 26), (10, 13), (5, 7), (3, 4)))):
+        inputs = encoder(levels, seed=92 + call, outside_fraction=0.25)
+        grad_output = random_like_output(inputs)
+        results = []
+        with torch.compiler.set_stance("fail_on_recompile" if dynamic and call else "default"):
+            names = kernel_names(lambda: results.append(forward_backward(inputs, grad_output, compiled)))
+        assert "msda_shared_tile_kernel" in names
+        assert_matches_reference(inputs, results[0], grad_output)
 
 
 @pytest.mark.parametrize("route", ["fast-path", "operator"])
