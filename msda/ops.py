@@ -177,7 +177,7 @@ def _launch_backward(
             device=value.device,
         )
     if grad_attn.numel() > 0:
-        # Plain CUDA tensors outside tracing only (the Gluon kernel is not traceable).
+        # The Gluon kernel is not traceable: a traced call reaches it through msda::add_shared_tile_.
         shared_tile = launch.shared_tile_applies(
             value, sampling_locations, grad_output, grad_value, softmax=softmax,
             fixed_point=fixed_point_scale is not None, replicas=replicas is not None,

@@ -477,8 +477,8 @@ def value_rows_evicted_first(grad_value: Tensor, num_queries, num_values) -> boo
 
 # The last level's grad_value summed in shared memory by kernels/shared_tile.py (a Gluon kernel;
 # bench/NOTES.md entry 49): on the H200 the float32 encoder preset's backward 822-831 us against
-# 868-872, 791-800 against 826-840 under `local`. On unless MSDA_SHARED_TILE=0; torch.compile and
-# export trace the operator without it either way.
+# 868-872, 791-800 against 826-840 under `local`. On unless MSDA_SHARED_TILE=0; a traced backward
+# launches it through msda::add_shared_tile_ (ops.py), which Inductor keeps an opaque call.
 SHARED_TILE = os.environ.get("MSDA_SHARED_TILE", "1") != "0"
 SHARED_TILE_PIXELS = 284  # a level of at most this many pixels fits the tile (its rows, four for outside, 32 to stage)
 SHARED_TILE_QUERIES = 256  # queries a program (entry 49: 64 / 128 / 256 took 167 / 147 / 142 us)

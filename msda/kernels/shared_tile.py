@@ -9,8 +9,9 @@ backward kernel leaves that level's adds out (TILE_PIXELS) and this kernel sums 
 Triton has no shared memory a kernel can index; Gluon (triton.experimental, 3.6) allocates it,
 and inline PTX reads and writes it (Gluon's own loads and stores of a row put a barrier around
 each). Gluon kernels do not run in Triton's interpreter, and Inductor cannot compile one passed
-through `triton_op` / `wrap_triton` (torch 2.11: "name 'gl' is not defined"): launch.py takes
-it for plain CUDA tensors only, outside tracing, and only where `launch.SHARED_TILE` is on.
+through `triton_op` / `wrap_triton` (torch 2.11: "name 'gl' is not defined"): a traced backward
+calls it through the custom op msda::add_shared_tile_ (ops.py), an eager one directly; only
+where `launch.shared_tile_applies` says so (`launch.SHARED_TILE` on, CUDA, not the interpreter).
 
 A program (4 warps) takes QB queries of one (batch, head). Warp w owns channels 8w..8w+7 of the
 tile, a lane (c, j) of it corner c and channel 8w + j: a sample's four corners are four pixels,
