@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch._dynamo.testing
 
 from msda.kernels import launch
 
@@ -47,3 +48,47 @@ def test_programs_fit_the_thread_limit():
                     c = config.constexprs(head_dim, element_size, points)
                     threads = c["BLOCK_Q"] * c["GROUPS"] * max(1, c["CHUNK"] // max(1, 16 // element_size))
                     assert c["num_warps"] * 32 <= 512 and threads <= 512, (head_dim, element_size, points, c)
+
+
+
+class _EncoderRule(torch.nn.Module):
+    """1.0 where `launch.every_pixel_a_query` takes the call for an encoder's, else 0.0: the
+    decision as a constant of the traced graph."""
+
+    def forward(self, value, loc):
+        encoder = launch.every_pixel_a_query(loc.shape[1], value.shape[1])
+        return (value.sum() + loc.sum()) * 0 + (1.0 if encoder else 0.0)
+
+
+def _rule_inputs(queries: int, pixels: int):
+    return torch.ones(3, pixels, 2, 4), torch.ones(3, queries, 2, 2, 2, 2)
+
+
+def test_encoder_rule_on_separate_symbols_adds_no_guard():
+    """Where Q and S are two symbols (an export with separate dims; torch.compile's default
+    after a call with Q != S), the encoder rule (`launch.every_pixel_a_query`) answers from the
+    sizes the graph was traced at, with no guard: no recompile, no constraint on the dims (it
+    used to answer False there, bench/NOTES.md entry 51). Every tile is exact at any shape."""
+    queries, pixels = torch.export.Dim("Q", min=2), torch.export.Dim("S", min=2)
+    for traced, expected in (((60, 60), 1.0), ((7, 9), 0.0)):
+        exported = torch.export.export(_EncoderRule(), _rule_inputs(*traced), dynamic_shapes=({1: pixels}, {1: queries}))
+        assert len(exported.range_constraints) == 2  # two symbols, neither tied to the other
+        assert exported.module()(*_rule_inputs(11, 5)).item() == expected
+
+    graphs = torch._dynamo.testing.EagerAndRecordGraphs()
+    compiled = torch.compile(_EncoderRule(), backend=graphs, fullgraph=True)
+    # Static, then one symbol (duck sizing), then two (Q != S broke the first's guard Q == S).
+    for sizes, expected, compiles in (((6, 6), 1.0, 1), ((10, 10), 1.0, 2), ((7, 9), 0.0, 3), ((12, 14), 0.0, 3)):
+        assert compiled(*_rule_inputs(*sizes)).item() == expected and len(graphs.graphs) == compiles
+
+    env = torch.fx.experimental.symbolic_shapes.ShapeEnv()
+
+    def symbol(hint):
+        dynamic = torch.fx.experimental.symbolic_shapes.DimDynamic.DYNAMIC
+        return env.create_unspecified_symint_and_symbol(hint, torch._dynamo.source.ConstantSource(f"s{hint}"), dynamic)
+
+    q, s = symbol(22223), symbol(22222)
+    assert launch.every_pixel_a_query(q, q) and not launch.every_pixel_a_query(q, s)
+    assert launch.every_pixel_a_query(q, 22223) and not launch.every_pixel_a_query(300, s)
+    assert not launch.every_pixel_a_query(env.create_unbacked_symint(), 22223)  # data-dependent: no hint
+    assert not env.guards

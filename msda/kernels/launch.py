@@ -155,10 +155,25 @@ def forward_config(
 
 def every_pixel_a_query(num_queries, num_values) -> bool:
     """Whether a call is an encoder's self-attention, each pixel of the pyramid a query (Q == S):
-    many queries a (batch, head), whatever the image size. Under torch.compile the sizes are
-    symbols: True only where they are provably equal (one symbol, as dynamic shapes give two
-    sizes equal when first traced), so the answer adds no guard and no recompile."""
-    return statically_known_true(num_queries == num_values)
+    many queries a (batch, head), whatever the image size. It picks tiles and passes, never
+    results: every rule is exact at any shape.
+
+    Under torch.compile and export the sizes may be symbols: one symbol where dynamic shapes
+    made them one (`dynamic=True` gives two sizes equal when first traced one symbol); two where
+    dynamo's automatic dynamic shapes made each dynamic on its own (`torch.compile`'s default,
+    at a second image size: bench/NOTES.md entry 51) or an export gave them separate dims.
+    Then the sizes the graph was traced at answer, with no guard: no recompile, no constraint
+    on an export's dims. A graph traced at an encoder's sizes keeps the encoder's rules at any
+    later size (and stays exact if ever called with Q != S)."""
+    if statically_known_true(num_queries == num_values):
+        return True
+    queries, values = _traced_size(num_queries), _traced_size(num_values)
+    return queries is not None and queries == values
+
+
+def _traced_size(size) -> int | None:
+    """An int, or a symbolic size's value at tracing (its hint; None for a data-dependent one)."""
+    return size if isinstance(size, int) else size.node.hint
 
 
 def backward_config(
