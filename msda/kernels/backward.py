@@ -201,17 +201,41 @@ def msda_backward_kernel(
             # Each corner: its value row dotted with grad_out (for the location and attention
             # gradients), and attn * weight * grad_out scattered into grad_value. Many queries
             # can hit one value row, so that is an atomic add; relaxed: only the sum matters.
+            # The four rows are loaded before any add: ptxas keeps a load after an atomic add
+            # to memory it cannot tell apart (value and grad_value), so loads interleaved with
+            # the adds wait for each other, four trips to L2 a step where one will do.
             # (Written out per corner: a helper taking both pointers would make torch.compile
             # believe the kernel writes `value`.)
             a_top = attn * (1.0 - fy)
             a_bottom = attn * fy
-            v = tl.load(
+            v_tl = tl.load(
                 value_ptr + corner,
                 mask=(left & top)[:, :, None, None] & d_ok,
                 other=0.0,
                 eviction_policy=VALUE_EVICTION,
             )
-            dot_tl = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
+            v_tr = tl.load(
+                value_ptr + corner + ROW,
+                mask=(right & top)[:, :, None, None] & d_ok,
+                other=0.0,
+                eviction_policy=VALUE_EVICTION,
+            )
+            v_bl = tl.load(
+                value_ptr + below,
+                mask=(left & bottom)[:, :, None, None] & d_ok,
+                other=0.0,
+                eviction_policy=VALUE_EVICTION,
+            )
+            v_br = tl.load(
+                value_ptr + below + ROW,
+                mask=(right & bottom)[:, :, None, None] & d_ok,
+                other=0.0,
+                eviction_policy=VALUE_EVICTION,
+            )
+            dot_tl = tl.sum(tl.sum(v_tl.to(COMPUTE) * grad_out, axis=3), axis=2)
+            dot_tr = tl.sum(tl.sum(v_tr.to(COMPUTE) * grad_out, axis=3), axis=2)
+            dot_bl = tl.sum(tl.sum(v_bl.to(COMPUTE) * grad_out, axis=3), axis=2)
+            dot_br = tl.sum(tl.sum(v_br.to(COMPUTE) * grad_out, axis=3), axis=2)
             if GRAD_VALUE:
                 tl.atomic_add(
                     accumulator + corner,
@@ -221,14 +245,6 @@ def msda_backward_kernel(
                     mask=(left & top)[:, :, None, None] & adds,
                     sem="relaxed",
                 )
-            v = tl.load(
-                value_ptr + corner + ROW,
-                mask=(right & top)[:, :, None, None] & d_ok,
-                other=0.0,
-                eviction_policy=VALUE_EVICTION,
-            )
-            dot_tr = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
-            if GRAD_VALUE:
                 tl.atomic_add(
                     accumulator + corner + ROW,
                     _to_accumulator(
@@ -237,14 +253,6 @@ def msda_backward_kernel(
                     mask=(right & top)[:, :, None, None] & adds,
                     sem="relaxed",
                 )
-            v = tl.load(
-                value_ptr + below,
-                mask=(left & bottom)[:, :, None, None] & d_ok,
-                other=0.0,
-                eviction_policy=VALUE_EVICTION,
-            )
-            dot_bl = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
-            if GRAD_VALUE:
                 tl.atomic_add(
                     accumulator + below,
                     _to_accumulator(
@@ -256,14 +264,6 @@ def msda_backward_kernel(
                     mask=(left & bottom)[:, :, None, None] & adds,
                     sem="relaxed",
                 )
-            v = tl.load(
-                value_ptr + below + ROW,
-                mask=(right & bottom)[:, :, None, None] & d_ok,
-                other=0.0,
-                eviction_policy=VALUE_EVICTION,
-            )
-            dot_br = tl.sum(tl.sum(v.to(COMPUTE) * grad_out, axis=3), axis=2)
-            if GRAD_VALUE:
                 tl.atomic_add(
                     accumulator + below + ROW,
                     _to_accumulator(
