@@ -82,7 +82,9 @@ def rows(shape: Shape, dtype: torch.dtype, chain: int, device: str = "cuda") -> 
     table = {
         "empty in-place add (any eager op)": (lambda: tiny.add_(1), False),
         "trivial autograd step, (x * 2) grad": (lambda: torch.autograd.grad(x * 2, x, tiny), True),
-        "noop-function: forward, no grad": (no_grad(lambda: _NoopFunction.apply(value, shapes, starts, loc, attn)), False),
+        "noop-function: forward, no grad": (
+            no_grad(lambda: _NoopFunction.apply(value, shapes, starts, loc, attn)), False
+        ),
         "noop-function: forward + backward": (step(_NoopFunction.apply), True),
         "msda functional forward, no grad": (no_grad(lambda: f(value, shapes, starts, loc, attn)), False),
         "  no grad, level_start_index=None": (no_grad(lambda: f(value, shapes, None, loc, attn)), False),

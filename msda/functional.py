@@ -105,6 +105,8 @@ def _call(value, spatial_shapes, level_start_index, sampling_locations, attentio
         if softmax:
             logits = attention if attention.dtype == torch.float64 else attention.float()
             attention = logits.flatten(-2).softmax(-1).view(attention.shape)
-        return derivatives.OperatorWithJvp.apply(value, spatial_shapes, level_start_index, sampling_locations, attention)
+        return derivatives.OperatorWithJvp.apply(
+            value, spatial_shapes, level_start_index, sampling_locations, attention
+        )
     op = torch.ops.msda.forward_softmax if softmax else torch.ops.msda.forward
     return op(value, spatial_shapes, level_start_index, sampling_locations, attention)

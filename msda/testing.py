@@ -71,7 +71,9 @@ class Inputs:
     attention_weights: Tensor
 
     def args(self) -> tuple[Tensor, ...]:
-        return (self.value, self.spatial_shapes, self.level_start_index, self.sampling_locations, self.attention_weights)
+        return (
+            self.value, self.spatial_shapes, self.level_start_index, self.sampling_locations, self.attention_weights
+        )
 
 
 def make_inputs(

@@ -225,7 +225,9 @@ def shuffle_layout_errors(ttgir: str) -> list[str]:
 
 
 def signature(kernel, args: tuple, constexprs: dict) -> dict:
-    types = {name: "i32" if isinstance(a, int) else "*" + TRITON_TYPES[a.dtype] for name, a in zip(kernel.arg_names, args)}
+    types = {
+        name: "i32" if isinstance(a, int) else "*" + TRITON_TYPES[a.dtype] for name, a in zip(kernel.arg_names, args)
+    }
     return {**types, **{name: "constexpr" for name in constexprs if name not in LAUNCH_OPTIONS}}
 
 

@@ -314,7 +314,7 @@ def test_detr_preset_runs_stock_and_patched():
         cwd=Path(__file__).resolve().parent.parent,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = [line for line in result.stdout.splitlines() if line.startswith("│ inference") or line.startswith("│ training")]
+    rows = [line for line in result.stdout.splitlines() if line.startswith(("│ inference", "│ training"))]
     assert len(rows) == 4 and not any("failed" in row for row in rows), result.stdout
     assert all(row.rstrip("│ ").endswith("x") for row in rows), result.stdout
 

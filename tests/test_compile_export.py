@@ -42,7 +42,8 @@ def softmax_loss_fn(value, spatial_shapes, level_start_index, sampling_locations
 
 def loss_and_grads(fn, inputs):
     """The loss and its gradients; the backward of a compiled fn is AOTAutograd's compiled one."""
-    wrt = [t.detach().clone().requires_grad_() for t in (inputs.value, inputs.sampling_locations, inputs.attention_weights)]
+    leaves = (inputs.value, inputs.sampling_locations, inputs.attention_weights)
+    wrt = [t.detach().clone().requires_grad_() for t in leaves]
     loss = fn(wrt[0], inputs.spatial_shapes, inputs.level_start_index, wrt[1], wrt[2])
     loss.backward()
     return [loss] + [t.grad for t in wrt]

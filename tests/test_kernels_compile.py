@@ -71,7 +71,8 @@ def test_encoder_rule_on_separate_symbols_adds_no_guard():
     used to answer False there, bench/NOTES.md entry 51). Every tile is exact at any shape."""
     queries, pixels = torch.export.Dim("Q", min=2), torch.export.Dim("S", min=2)
     for traced, expected in (((60, 60), 1.0), ((7, 9), 0.0)):
-        exported = torch.export.export(_EncoderRule(), _rule_inputs(*traced), dynamic_shapes=({1: pixels}, {1: queries}))
+        dims = ({1: pixels}, {1: queries})
+        exported = torch.export.export(_EncoderRule(), _rule_inputs(*traced), dynamic_shapes=dims)
         assert len(exported.range_constraints) == 2  # two symbols, neither tied to the other
         assert exported.module()(*_rule_inputs(11, 5)).item() == expected
 

@@ -325,7 +325,8 @@ def test_deterministic_mode_sums_in_fixed_point(path, device, mode, request):
     assert pure_pytorch.call_count == (1 if path == "torch" else 0)
     fixed_point = mode == "deterministic" and path != "torch"
     fused_in_kernel = launch.FUSED_SOFTMAX
-    assert (atomics.call_count, lists.call_count) == (fixed_point and fused_in_kernel, fixed_point and not fused_in_kernel)
+    expected = (fixed_point and fused_in_kernel, fixed_point and not fused_in_kernel)
+    assert (atomics.call_count, lists.call_count) == expected
 
 
 # --- The layer ----------------------------------------------------------------------------------

@@ -203,7 +203,8 @@ def msda_gather_grad_value_kernel(
     ends_ptr,  # (B * M * S,) int32 (int64 if INDEX_64): where each list ends (`msda_sample_lists_kernel`)
     entries_ptr,  # the lists
     weights_ptr,  # each corner's weight, at its sample's index times 4 plus the corner
-    scales_ptr,  # float32 (2,): the fixed-point scale 2**e and 2**-e (`msda_fixed_point_scale_kernel`); unread with SORTED_SUMS
+    # float32 (2,): the fixed-point scale 2**e and 2**-e (`msda_fixed_point_scale_kernel`); unread with SORTED_SUMS
+    scales_ptr,
     grad_value_ptr,  # (B, S, M, D) in the value's dtype: written whole
     num_queries,
     num_values,
@@ -213,7 +214,8 @@ def msda_gather_grad_value_kernel(
     NUM_LEVELS: tl.constexpr,
     NUM_POINTS: tl.constexpr,
     ROWS: tl.constexpr,  # rows a program
-    ENTRIES: tl.constexpr,  # entries of each of a row's two runs a step, unrolled: their loads in flight together (not JOINED)
+    # entries of each of a row's two runs a step, unrolled: their loads in flight together (not JOINED)
+    ENTRIES: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INDEX_64: tl.constexpr,
     LEVEL_STARTS: tl.constexpr,  # False: sum the level sizes
