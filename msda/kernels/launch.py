@@ -160,8 +160,8 @@ def every_pixel_a_query(num_queries, num_values) -> bool:
 
     Under torch.compile and export the sizes may be symbols: one symbol where dynamic shapes
     made them one (`dynamic=True` gives two sizes equal when first traced one symbol); two where
-    dynamo's automatic dynamic shapes made each dynamic on its own (`torch.compile`'s default,
-    at a second image size: bench/NOTES.md entry 51) or an export gave them separate dims.
+    an export gave them separate dims, or a compile followed a call with Q != S (dynamo's
+    automatic dynamic shapes then give each its own: bench/NOTES.md entries 51 and 53).
     Then the sizes the graph was traced at answer, with no guard: no recompile, no constraint
     on an export's dims. A graph traced at an encoder's sizes keeps the encoder's rules at any
     later size (and stays exact if ever called with Q != S)."""
