@@ -3,7 +3,7 @@
     python -m bench.tune [--presets decoder encoder] [--dtypes float32 float16 bfloat16]
                          [--dists uniform local] [--kernels fwd bwd]
                          [--forward 16,2,0 8,2,0 ...] [--backward 4,4,0 ...] [--float32-params]
-                         [--lists 4,2 8,2,1 16,2,1,1 ...]
+                         [--lists 4,2 8,2,1 16,2,1,1 ...] [--fresh-buffers]
 
 Each variant is a msda.kernels.launch.TileConfig (block_q,groups,threads_per_row[,unroll_levels
 [,prefetch[,bf16_pairs[,lane_placement[,lane_unroll[,max_registers]]]]]]; threads_per_row 0 reads a
@@ -73,29 +73,41 @@ def forward_launch(inputs, tile: launch.TileConfig):
 
 
 def backward_launch(inputs, grad_output, tile: launch.TileConfig, accumulator: torch.dtype | None = None,
-                    replicas: bool | None = None):
+                    replicas: bool | None = None, fresh: bool = False):
     """(a callable zeroing grad_value and launching the backward kernel with `tile`, then the fold
     of the replicas, its three gradient buffers); grad_value accumulates in `accumulator`, with
-    replicas of the dense levels or without (default: the operator's rules)."""
+    replicas of the dense levels or without (default: the operator's rules).
+
+    fresh: each call zeroes a grad_value (and replicas) of its own, as the operator's calls do:
+    captured in a graph, each call then has its own memory, as in the bench's graph replay.
+    Otherwise every call reuses one set, whose lines the call before leaves in the L2: a change
+    to what the L2 keeps can win there and lose with fresh buffers (bench/NOTES.md entry 56).
+    The list returned holds the last call's buffers."""
     value, shapes, starts, loc, attn = inputs.args()
     B, S, M, D = value.shape
     Q, L, K = loc.shape[1], loc.shape[3], loc.shape[4]
     accumulator = accumulator or grad_value_accumulator_dtype(value, Q, L, K)
     rows = None if replicas is False else replica_rows(accumulator, Q, S, L, K, force=bool(replicas))
-    grads = (torch.zeros(value.shape, dtype=accumulator, device=value.device), torch.empty_like(loc),
-             torch.empty_like(attn))  # fmt: skip
-    copies = None if rows is None else torch.zeros(B, rows, M, D, dtype=accumulator, device=value.device)
-    grid, args, constexprs = launch.backward_call(grad_output, value, shapes, starts, loc, attn, *grads, tile,
-                                                  replicas=copies)  # fmt: skip
-    if copies is not None:
-        fold_grid, fold_args, fold_constexprs = launch.fold_call(grads[0], copies, shapes, starts, Q, K)
+    grads = [None, torch.empty_like(loc), torch.empty_like(attn)]
+
+    def buffers():
+        """New grad_value and replicas in `grads`, and the launches that sum into them."""
+        grads[0] = torch.empty(value.shape, dtype=accumulator, device=value.device)
+        copies = None if rows is None else torch.empty(B, rows, M, D, dtype=accumulator, device=value.device)
+        call = launch.backward_call(grad_output, value, shapes, starts, loc, attn, *grads, tile, replicas=copies)
+        fold = None if copies is None else launch.fold_call(grads[0], copies, shapes, starts, Q, K)
+        return copies, call, fold
+
+    reused = buffers()
 
     def run():
+        copies, (grid, args, constexprs), fold = buffers() if fresh else reused
         zero_(grads[0])  # as the operator zeroes it
         if copies is not None:
             zero_(copies)
         msda_backward_kernel[grid](*args, **constexprs)
-        if copies is not None:
+        if fold is not None:
+            fold_grid, fold_args, fold_constexprs = fold
             msda_fold_replicas_kernel[fold_grid](*fold_args, **fold_constexprs)
 
     return run, grads
@@ -212,6 +224,9 @@ def main() -> None:
     parser.add_argument("--lists-backward", nargs="+", type=_tiles, default=[], metavar="Q,G,T[,...]",
                         help="and at the first --lists tile, its backward kernel at these tiles")
     parser.add_argument("--ncu", action="store_true", help="launch each variant once for ncu, time nothing")
+    parser.add_argument("--fresh-buffers", action="store_true",
+                        help="the backward: a grad_value of its own each call, as the bench's graph replay "
+                             "(default: one reused, NOTES entry 56)")  # fmt: skip
     parser.add_argument("--float32-params", action="store_true",
                         help="float32 locations and weights with half-precision values (default: the "
                              "value's dtype, as the bench and most models; NOTES entry 25)")  # fmt: skip
@@ -250,7 +265,7 @@ def main() -> None:
                     expected = reference_with_grads(inputs, grad)[1:]
                     line = []
                     for tile in opts.backward:
-                        run, grads = backward_launch(inputs, grad, tile)
+                        run, grads = backward_launch(inputs, grad, tile, fresh=opts.fresh_buffers)
                         t = graph_device_time(run, calls=10, replays=5)
                         worst = max(relative_error(g, r) for g, r in zip(grads, expected))
                         line.append(f"{_name(tile)}: {t.median_us:.1f} ({worst:.0e})")
@@ -261,7 +276,9 @@ def main() -> None:
                     expected = reference_with_grads(inputs, grad)[1:]
                     # The atomic backward at its rule's tile (the half encoders' 2 queries a program too).
                     encoder = launch.every_pixel_a_query(Q, inputs.value.shape[1])
-                    run, _ = backward_launch(inputs, grad, launch.backward_config(4, 4, D, dtype, encoder))
+                    run, _ = backward_launch(
+                        inputs, grad, launch.backward_config(4, 4, D, dtype, encoder), fresh=opts.fresh_buffers
+                    )
                     line = [f"atomic: {graph_device_time(run, calls=10, replays=5).median_us:.1f}"]
                     overrides = (launch.LIST_ROWS, launch.LIST_ENTRIES, launch.LIST_COUNT_STRIDE, launch.LIST_WARPS,
                                  launch.LIST_JOINED, launch.LIST_SORTED)  # fmt: skip

@@ -20,12 +20,12 @@ from bench.__main__ import config_from, parse_args
 from bench.merge import merge
 from bench.phases import by_name, per_launch
 from bench.timing import AGREEMENT, Timing, agree, device_events_us
-from bench.tune import _list_tile, _tiles
+from bench.tune import _list_tile, _tiles, backward_launch
 from bench.variants import (
     PRESETS, SMOKE, VARIANTS, Cell, _autograd_case, _msda_autograd, _msda_op, _reference, grid_sample_msda,
 )
-from msda.kernels.launch import TileConfig
-from msda.testing import TOLERANCE, Shape, make_inputs, reference
+from msda.kernels.launch import TileConfig, backward_config
+from msda.testing import TOLERANCE, Shape, make_inputs, reference, reference_with_grads, relative_error
 
 REPO = Path(__file__).resolve().parents[1]
 CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
@@ -340,6 +340,24 @@ def test_tune_list_tiles():
     for bad in ("4", "4,x", "0,2", "1,2,3,4,5", "1,2,3,4,1,2", "1,2,3,4,1,1,1"):
         with pytest.raises(argparse.ArgumentTypeError, match=bad):
             _list_tile(bad)
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["reused", "fresh"])
+def test_tune_backward_buffers(fresh):
+    """bench.tune's backward launch (Triton's interpreter here): its gradients match the oracle
+    on every call; with fresh buffers each call sums into a grad_value of its own (as the
+    operator's calls and the bench's graph replay), else into the one it returned."""
+    shape = Shape(batch=1, queries=3, heads=2, head_dim=4, levels=((3, 4), (2, 2)), points=2)
+    inputs = make_inputs(shape, torch.float32, "cuda" if torch.cuda.is_available() else "cpu", seed=88)
+    grad = torch.randn(1, 3, 8, generator=torch.Generator().manual_seed(89)).to(inputs.value.device)
+    expected = reference_with_grads(inputs, grad)[1:]
+    run, grads = backward_launch(inputs, grad, backward_config(2, 2, 4, torch.float32), fresh=fresh)
+    first = grads[0]
+    for _ in range(2):
+        run()
+        for got, want in zip(grads, expected):
+            assert relative_error(got, want) <= TOLERANCE[torch.float32]
+    assert (grads[0] is not first) == fresh
 
 
 def test_phases_sums_by_name_or_lists_each_launch():
