@@ -16,7 +16,7 @@ It also checks:
   functionalization does): it must name the outputs alone. Were it to name an input, compiled
   graphs would clone that input around every launch and copy the clone back over it
   (bench/NOTES.md, entry 9);
-- the warp shuffles of the forward's lane placement (`forward._from_lane`): they pass a value
+- the warp shuffles of the kernels' lane placement (`sampling.from_lane`): they pass a value
   from lane k of each segment of LANES consecutive lanes, so the tensor they act on must lay
   its lane axis over exactly those lanes. Triton picks layouts itself; the check reads them
   from the TTGIR, so that a release that picks another fails here and not with wrong results;

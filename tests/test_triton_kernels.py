@@ -274,6 +274,38 @@ def test_lane_placement(monkeypatch, dtype, head_dim, points):
     check_tile_with_levels_summed(monkeypatch, tile, inputs, "LANE_PLACEMENT")
 
 
+@pytest.mark.parametrize("turns", [1, 2], ids=["turn", "two-turns"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("head_dim, points", [(6, 2), (24, 2), (16, 3), (32, 5), (32, 4)])
+def test_backward_lane_placement(monkeypatch, dtype, head_dim, points, turns):
+    """The backward whose threads each place one sample of their row, pass it to the row's other
+    threads (on a GPU by warp shuffles, here by the portable masked sum) and keep their own
+    sample's corner dots: rows of 2 to 8 threads (one of them masked at D = 24), one or two
+    rounds of samples with masked ones past L * K, fewer turns than a row has threads (D = 32 in
+    float32 at K = 4), masked queries, the corners packed into the row offsets (D of 16 and 32)
+    or passed apart; against the oracle, and with the level sizes summed in the kernel the same
+    location and weight gradients. D = 6 keeps the step loop: its rows do not start on whole
+    16-byte vectors (the float16 row is one thread's, nothing to place for others). Two turns a
+    step too, with an odd count of turns (D = 16 in float32 at K = 3: the last step's second
+    turn masked)."""
+    tile = launch.TileConfig(16, 4, 0, prefetch=True, lane_placement=True, lane_unroll=turns)
+    monkeypatch.setattr(launch, "backward_config", lambda *args, **kwargs: tile)
+    lane_placed = head_dim % (16 // dtype.itemsize) == 0
+    shape = Shape(batch=2, queries=5, heads=2, head_dim=head_dim, levels=((5, 6), (3, 2), (1, 1)), points=points)
+    inputs = make_inputs(shape, dtype, DEVICE, outside_fraction=0.25, seed=90 + points)
+    grad_output = random_like_output(inputs)
+    results = forward_backward(inputs, grad_output)
+    assert_matches_reference(inputs, results, grad_output)
+    value, shapes, _, loc, attn = inputs.args()
+    grads = [torch.zeros(value.shape, device=DEVICE), torch.empty_like(loc), torch.empty_like(attn)]
+    grid, args, constexprs = launch.backward_call(grad_output, value, shapes, None, loc, attn, *grads)
+    assert constexprs["LANE_PLACEMENT"] == lane_placed and constexprs["LANE_UNROLL"] == turns
+    assert not constexprs["LEVEL_STARTS"]
+    backward_kernel.msda_backward_kernel[grid](*args, **constexprs)
+    torch.testing.assert_close(grads[1], results[2], rtol=0, atol=0)
+    torch.testing.assert_close(grads[2], results[3], rtol=0, atol=0)
+
+
 def test_encoder_rule(monkeypatch):
     """Where the register target applies, a float32 call with every pixel a query (Q == S, an
     encoder's self-attention) takes one-warp programs (2 queries at head_dim 32) at 56 registers
@@ -294,6 +326,41 @@ def test_encoder_rule(monkeypatch):
     _, _, constexprs = launch.forward_call(*decoder.args(), torch.empty(0))
     assert constexprs["BLOCK_Q"] == 16
     assert backward_constexprs(decoder, random_like_output(decoder))["BLOCK_Q"] == 4
+
+
+def test_backward_lane_placement_rule():
+    """The backward rule places each sample once (`lane_placement`) where its adds go straight to
+    grad_value: float32 decoders at 4 queries a program, half-precision ones at 2 with two turns a
+    step, a float32 encoder at 1 (its last level left to the shared tile: not there); not in
+    the deterministic mode's kernel, nor into the half-precision encoders' replicas."""
+    levels = ((5, 6), (3, 2), (1, 1))
+    decoder = Shape(batch=2, queries=3, heads=2, head_dim=32, levels=levels, points=4)
+    expected = {torch.float32: (4, 1), torch.float16: (2, 2), torch.bfloat16: (2, 2)}
+    for dtype, (block_q, turns) in expected.items():
+        inputs = make_inputs(decoder, dtype, "cpu", seed=84)
+        constexprs = backward_constexprs(inputs, random_like_output(inputs))
+        assert constexprs["LANE_PLACEMENT"], dtype
+        assert (constexprs["BLOCK_Q"], constexprs["LANE_UNROLL"]) == (block_q, turns), dtype
+    encoder = make_inputs(dataclasses.replace(decoder, queries=37), torch.float32, "cpu", seed=85)
+    value, shapes, starts, loc, attn = encoder.args()
+    grads = (torch.empty(value.shape), torch.empty_like(loc), torch.empty_like(attn))
+    grad_output = random_like_output(encoder)
+    assert launch.backward_call(grad_output, value, shapes, starts, loc, attn, *grads)[2]["LANE_PLACEMENT"]
+    with_tile = launch.backward_call(grad_output, value, shapes, starts, loc, attn, *grads, shared_tile=True)[2]
+    assert with_tile["TILE_PIXELS"] and not with_tile["LANE_PLACEMENT"]
+    # A tile that asks for it, with replicas and for the lists: the step loop.
+    tile = launch.TileConfig(4, 4, 0, prefetch=True, lane_placement=True)
+    half = make_inputs(decoder, torch.float16, "cpu", seed=86)
+    value, shapes, starts, loc, attn = half.args()
+    grad_output = random_like_output(half)
+    grads = (torch.empty(value.shape, dtype=torch.float16), torch.empty_like(loc), torch.empty_like(attn))
+    assert launch.backward_call(grad_output, value, shapes, starts, loc, attn, *grads, tile)[2]["LANE_PLACEMENT"]
+    replicas = torch.empty(2, 4, 2, 32, dtype=torch.float16)
+    call = launch.backward_call(grad_output, value, shapes, starts, loc, attn, *grads, tile, replicas=replicas)
+    assert call[2]["REPLICAS"] and not call[2]["LANE_PLACEMENT"]
+    lists = launch.backward_call(grad_output, value, shapes, starts, loc, attn, None, *grads[1:], tile,
+                                 lists=launch.list_buffers(value, loc, attn))  # fmt: skip
+    assert lists[2]["COUNT_STRIDE"] and not lists[2]["LANE_PLACEMENT"]
 
 
 def backward_constexprs(inputs, grad_output) -> dict:

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from .deterministic import rank_as_float
-from .sampling import finite_or_nan, level_ok, place_sample, softmax_stats
+from .sampling import finite_or_nan, from_lane, level_ok, place_sample, softmax_stats
 
 
 # Sizes and strides vary with the image: not specialized (see forward.py).
@@ -55,6 +55,9 @@ def msda_backward_kernel(
     VALUE_EVICTION: tl.constexpr,  # the value gathers' L2 eviction hint ("" or "evict_first")
     COUNT_STRIDE: tl.constexpr,  # > 0: count each sample into its list, counters this many int32 apart
     TILE_PIXELS: tl.constexpr,  # > 0: the last level's adds are shared_tile.py's where it has at most this many pixels
+    LANE_PLACEMENT: tl.constexpr,  # each sample placed by one thread of its row (launch.backward_lane_placement)
+    SHUFFLE: tl.constexpr,  # with LANE_PLACEMENT: pass placements by warp shuffles (CUDA), see sampling.from_lane
+    LANE_UNROLL: tl.constexpr,  # with LANE_PLACEMENT: turns a loop step (1 or 2)
 ):
     # The forward's program layout and tile (msda/kernels/forward.py explains both).
     pid = tl.program_id(0)
@@ -71,241 +74,414 @@ def msda_backward_kernel(
     b = bm // NUM_HEADS
     m = bm % NUM_HEADS
     q = q_block * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    q_ok = (q < num_queries)[None, :]
-    group = tl.arange(0, GROUPS)[:, None]
-    channel = tl.arange(0, BLOCK_D // CHUNK)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
-    channel = channel[None, None, :, :]
-    d_ok = channel < HEAD_DIM
-    LK: tl.constexpr = NUM_LEVELS * NUM_POINTS
-    ROW: tl.constexpr = NUM_HEADS * HEAD_DIM
-    first_param = ((b * num_queries + q[None, :]) * NUM_HEADS + m) * LK  # [1, BLOCK_Q]
-
-    grad_out = tl.load(
-        grad_out_ptr
-        + b * grad_out_stride_b
-        + q[None, :, None, None] * grad_out_stride_q
-        + m * HEAD_DIM
-        + channel,
-        mask=q_ok[:, :, None, None] & d_ok,
-        other=0.0,
-    ).to(COMPUTE)  # [1, BLOCK_Q, BLOCK_D // CHUNK, CHUNK]
-
-    if SOFTMAX:
-        # The weights p = exp(logit - row_max) * row_scale (as in the forward). The softmax
-        # backward, d logit_j = p_j * (g_j - sum_i p_i g_i) with g the gradient of the weights,
-        # needs all L * K of a query's g before any d logit: the level loop writes each g to
-        # scratch (in COMPUTE: a half-precision g would lose the bits that g - sum cancels) and
-        # sums p * g per query; a last pass reads g back and writes d logit.
-        row_max, row_scale = softmax_stats(attn_ptr, first_param, q_ok, group, LK, GROUPS, UNROLL, COMPUTE)
-        weighted_grad = tl.zeros([GROUPS, BLOCK_Q], dtype=COMPUTE)  # p * g, summed over the samples
-
-    ACCUMULATOR = grad_value_ptr.dtype.element_ty
-    if FIXED_POINT:  # integer adds give the same sum in any order: bitwise deterministic
-        fixed_point_scale = tl.load(fixed_point_scale_ptr)
-    else:
-        fixed_point_scale = 1.0
-
-    # One loop over every level's steps, a step GROUPS * UNROLL points of one level. With PREFETCH
-    # (one point a group a step) each step loads the next one's parameters, so that their latency
-    # overlaps this step's gathers and reductions instead of preceding its placement.
-    # Each program starts at another level (its query block's number modulo L) and wraps round:
-    # programs in step would otherwise all add into the few rows of the coarse levels at once,
-    # and same-address adds queue in L2 (the float16 decoder's kernel: 29.1 -> 26.5 us, entry 33).
-    STEPS: tl.constexpr = (NUM_POINTS + GROUPS * UNROLL - 1) // (GROUPS * UNROLL)  # a level's steps
-    MASKED_WEIGHT: tl.constexpr = float("-inf") if SOFTMAX else 0.0  # a masked logit's softmax weight is 0
-    first_level = q_block % NUM_LEVELS
-    start = b * 0  # the level's first row, in the index dtype
-    used = b * 0  # replica rows (a batch) taken by the levels before
-    if (not LEVEL_STARTS) or REPLICAS:  # both sums up to the first level
-        for before in tl.static_range(NUM_LEVELS - 1):
-            if before < first_level:
-                h = tl.load(shapes_ptr + 2 * before).to(b.dtype)
-                w = tl.load(shapes_ptr + 2 * before + 1).to(b.dtype)
-                if REPLICAS:
-                    replicas, area = level_replicas(h, w, used, num_queries, replica_rows, NUM_POINTS)
-                    used += (replicas - 1) * area
-                start += h * w
-    if PREFETCH:  # step 0: the first level, point `group`
-        tl.static_assert(UNROLL == 1, "the backward prefetches one point a group a step")
-        mask = (group < NUM_POINTS) & q_ok
-        first = first_param + first_level * NUM_POINTS + group
-        next_attn = tl.load(attn_ptr + first, mask=mask, other=MASKED_WEIGHT)
-        next_x = tl.load(loc_ptr + 2 * first, mask=mask, other=0.0)
-        next_y = tl.load(loc_ptr + 2 * first + 1, mask=mask, other=0.0)
-    for step in tl.range(0, NUM_LEVELS * STEPS):
-        level = (step // STEPS + first_level) % NUM_LEVELS
-        h = tl.load(shapes_ptr + 2 * level).to(b.dtype)
-        w = tl.load(shapes_ptr + 2 * level + 1).to(b.dtype)
-        if LEVEL_STARTS:
-            start = tl.load(starts_ptr + level).to(b.dtype)
-        usable = level_ok(h, w, start, num_values)
-        level_row = (b * num_values + start) * NUM_HEADS + m
-        adds = d_ok  # the grad_value adds' mask beside the corners'
-        if TILE_PIXELS > 0:  # that level's sums are msda_shared_tile_kernel's (shared_tile.py) where it fits its tile
-            adds = d_ok & ((level != NUM_LEVELS - 1) | (h * w > TILE_PIXELS))
-        # grad_value is summed at accumulator + corner (corner: the value element's offset), in
-        # grad_value itself or, on a level with replicas, in the program's replica of its rows.
-        accumulator = grad_value_ptr
-        if REPLICAS:
-            replicas, area = level_replicas(h, w, used, num_queries, replica_rows, NUM_POINTS)
-            replica = q_block % replicas
-            if replica > 0:
-                replica_row = (b * replica_rows + used + (replica - 1) * area) * NUM_HEADS + m
-                accumulator = replica_ptr + (replica_row - level_row) * HEAD_DIM
-        if PREFETCH:
-            attn_now, x_now, y_now = next_attn, next_x, next_y
-            following = step + 1
-            next_point = (following % STEPS) * GROUPS + group
-            mask = (next_point < NUM_POINTS) & q_ok & (following < NUM_LEVELS * STEPS)
-            next_level = (following // STEPS + first_level) % NUM_LEVELS
-            next_param = first_param + next_level * NUM_POINTS + next_point
-            next_attn = tl.load(attn_ptr + next_param, mask=mask, other=MASKED_WEIGHT)
-            next_x = tl.load(loc_ptr + 2 * next_param, mask=mask, other=0.0)
-            next_y = tl.load(loc_ptr + 2 * next_param + 1, mask=mask, other=0.0)
-        for unrolled in tl.static_range(UNROLL):
-            point = (step % STEPS) * (GROUPS * UNROLL) + unrolled * GROUPS + group
-            mask = (point < NUM_POINTS) & q_ok
-            param = first_param + level * NUM_POINTS + point  # [GROUPS, BLOCK_Q]
-            if PREFETCH:
-                attn, x, y = attn_now, x_now, y_now
-            else:
-                attn = tl.load(attn_ptr + param, mask=mask, other=MASKED_WEIGHT)
-                x = tl.load(loc_ptr + 2 * param, mask=mask, other=0.0)
-                y = tl.load(loc_ptr + 2 * param + 1, mask=mask, other=0.0)
-            attn = attn.to(COMPUTE)
-            if SOFTMAX:  # masked logits -inf: weight exactly 0
-                attn = tl.exp(attn - row_max) * row_scale
-            x0, y0, fx, fy, left, right, top, bottom = place_sample(x, y, h, w, usable, mask, COMPUTE)
-            if not SOFTMAX:  # a softmax weight is finite or NaN already (sampling.softmax_stats)
-                attn = finite_or_nan(attn)
-            if COUNT_STRIDE > 0:
-                # The deterministic mode's lists (deterministic.py) count here, where the sample is
-                # placed anyway, as msda_sample_lists_kernel will list it: under its
-                # top-left corner's pixel, if its left or right corner is inside. (A pass of its
-                # own waited on its atomics: 96 us at the bfloat16 encoder, bench/NOTES.md entry 38.)
-                # The count before this sample's is its rank in the list, its slot there: stored
-                # where msda_sample_lists_kernel reads it, then writes the sample's corner weights
-                # (an integer in a float's bits), so that pass needs no atomics of its own.
-                pixel = start + tl.maximum(y0, 0) * w + tl.maximum(x0, 0)
-                listed = left | right
-                rank = tl.atomic_add(
-                    list_counts_ptr + ((b * NUM_HEADS + m) * num_values + pixel) * COUNT_STRIDE,
-                    1,
-                    mask=listed,
-                    sem="relaxed",
-                )
-                tl.store(list_ranks_ptr + 4 * param, rank_as_float(rank, list_ranks_ptr.dtype.element_ty), mask=listed)
-            corner = (level_row + (y0 * w + x0) * NUM_HEADS) * HEAD_DIM
-            corner = corner[:, :, None, None] + channel
-            below = corner + w * ROW
-            # Each corner: its value row dotted with grad_out (for the location and attention
-            # gradients), and attn * weight * grad_out scattered into grad_value. Many queries
-            # can hit one value row, so that is an atomic add; relaxed: only the sum matters.
-            # The four rows are loaded before any add: ptxas keeps a load after an atomic add
-            # to memory it cannot tell apart (value and grad_value), so loads interleaved with
-            # the adds wait for each other, four trips to L2 a step where one will do.
-            # (Written out per corner: a helper taking both pointers would make torch.compile
-            # believe the kernel writes `value`.)
+    if LANE_PLACEMENT:
+        # Each sample placed once, by one thread of its row, as the forward's lane placement does
+        # (forward._lane_placed_samples): the LANES threads that read a value row each place one
+        # sample of their row's query, then take turns, the row's threads gathering and adding
+        # into the corners of lane k's sample with its placement passed by `from_lane`. Lane k
+        # keeps its sample's four corner dots, and after the turns each thread works out and
+        # stores its own sample's gradients: the step loop below places, loads the parameters
+        # of and stores the gradients of every sample in each of its row's threads.
+        # The tile is the forward's, [LANES, GROUPS, BLOCK_Q, VECTOR] (its lane axis over
+        # consecutive lanes of a warp, scripts/compile_check.py checks it).
+        tl.static_assert(CHUNK == BLOCK_D, "LANE_PLACEMENT reads a row with one load a thread")
+        tl.static_assert(LANE_UNROLL == 1 or LANE_UNROLL == 2, "the backward takes one or two turns a step")
+        VECTOR: tl.constexpr = 128 // value_ptr.dtype.element_ty.primitive_bitwidth  # elements in 16 bytes
+        LANES: tl.constexpr = CHUNK // VECTOR
+        SAMPLES: tl.constexpr = NUM_LEVELS * NUM_POINTS
+        ROUNDS: tl.constexpr = (SAMPLES + GROUPS * LANES - 1) // (GROUPS * LANES)
+        TURNS: tl.constexpr = min(LANES, (SAMPLES + GROUPS - 1) // GROUPS)  # as in the forward
+        ROW: tl.constexpr = NUM_HEADS * HEAD_DIM
+        PACK_CORNERS: tl.constexpr = HEAD_DIM % 16 == 0  # the corners ride in the row offset's low bits
+        ACCUMULATOR = grad_value_ptr.dtype.element_ty
+        lane = tl.arange(0, LANES)[:, None, None, None]
+        group = tl.arange(0, GROUPS)[None, :, None, None]
+        query = q[None, None, :, None]
+        channel = lane * VECTOR + tl.arange(0, VECTOR)[None, None, None, :]
+        d_ok = channel < HEAD_DIM
+        grad_out = tl.load(
+            grad_out_ptr + b * grad_out_stride_b + query * grad_out_stride_q + m * HEAD_DIM + channel,
+            mask=(query < num_queries) & d_ok,
+            other=0.0,
+        ).to(tl.float32)  # [LANES, 1, BLOCK_Q, VECTOR]
+        first_param = ((b * num_queries + query) * NUM_HEADS + m) * SAMPLES  # [1, 1, BLOCK_Q, 1]
+        # Programs start at another level and wrap round, as in the step loop (it says why).
+        first_level = q_block % NUM_LEVELS
+        for r in tl.range(0, ROUNDS):
+            sample = group + GROUPS * (lane + LANES * r)  # [LANES, GROUPS, 1, 1]
+            ok = (sample < SAMPLES) & (query < num_queries)
+            level = (tl.where(sample < SAMPLES, sample // NUM_POINTS, 0) + first_level) % NUM_LEVELS
+            h = tl.load(shapes_ptr + 2 * level).to(b.dtype)
+            w = tl.load(shapes_ptr + 2 * level + 1).to(b.dtype)
+            if LEVEL_STARTS:
+                start = tl.load(starts_ptr + level).to(b.dtype)
+            else:  # the sizes of the levels before
+                start = level * 0
+                for before in tl.static_range(NUM_LEVELS - 1):
+                    size = tl.load(shapes_ptr + 2 * before).to(b.dtype)
+                    size *= tl.load(shapes_ptr + 2 * before + 1).to(b.dtype)
+                    start += tl.where(before < level, size, 0)
+            param = first_param + level * NUM_POINTS + sample % NUM_POINTS
+            attn = finite_or_nan(tl.load(attn_ptr + param, mask=ok, other=0.0).to(tl.float32))
+            x = tl.load(loc_ptr + 2 * param, mask=ok, other=0.0)
+            y = tl.load(loc_ptr + 2 * param + 1, mask=ok, other=0.0)
+            usable = level_ok(h, w, start, num_values)
+            x0, y0, fx, fy, left, right, top, bottom = place_sample(x, y, h, w, usable, ok, tl.float32)
+            row = (b * num_values + start + y0 * w + x0) * NUM_HEADS + m  # the top-left corner's
+            below = row + w * NUM_HEADS
+            corners = (left & top).to(tl.int32) | ((right & top).to(tl.int32) << 1)
+            corners |= ((left & bottom).to(tl.int32) << 2) | ((right & bottom).to(tl.int32) << 3)
+            if PACK_CORNERS:
+                row = row * HEAD_DIM | corners
+                below = below * HEAD_DIM
             a_top = attn * (1.0 - fy)
             a_bottom = attn * fy
-            v_tl = tl.load(
-                value_ptr + corner,
-                mask=(left & top)[:, :, None, None] & d_ok,
-                other=0.0,
-                eviction_policy=VALUE_EVICTION,
-            )
-            v_tr = tl.load(
-                value_ptr + corner + ROW,
-                mask=(right & top)[:, :, None, None] & d_ok,
-                other=0.0,
-                eviction_policy=VALUE_EVICTION,
-            )
-            v_bl = tl.load(
-                value_ptr + below,
-                mask=(left & bottom)[:, :, None, None] & d_ok,
-                other=0.0,
-                eviction_policy=VALUE_EVICTION,
-            )
-            v_br = tl.load(
-                value_ptr + below + ROW,
-                mask=(right & bottom)[:, :, None, None] & d_ok,
-                other=0.0,
-                eviction_policy=VALUE_EVICTION,
-            )
-            dot_tl = tl.sum(tl.sum(v_tl.to(COMPUTE) * grad_out, axis=3), axis=2)
-            dot_tr = tl.sum(tl.sum(v_tr.to(COMPUTE) * grad_out, axis=3), axis=2)
-            dot_bl = tl.sum(tl.sum(v_bl.to(COMPUTE) * grad_out, axis=3), axis=2)
-            dot_br = tl.sum(tl.sum(v_br.to(COMPUTE) * grad_out, axis=3), axis=2)
-            if GRAD_VALUE:
-                tl.atomic_add(
-                    accumulator + corner,
-                    _to_accumulator(
-                        (a_top * (1.0 - fx))[:, :, None, None] * grad_out, fixed_point_scale, ACCUMULATOR, FIXED_POINT
-                    ),
-                    mask=(left & top)[:, :, None, None] & adds,
-                    sem="relaxed",
-                )
-                tl.atomic_add(
-                    accumulator + corner + ROW,
-                    _to_accumulator(
-                        (a_top * fx)[:, :, None, None] * grad_out, fixed_point_scale, ACCUMULATOR, FIXED_POINT
-                    ),
-                    mask=(right & top)[:, :, None, None] & adds,
-                    sem="relaxed",
-                )
-                tl.atomic_add(
-                    accumulator + below,
-                    _to_accumulator(
-                        (a_bottom * (1.0 - fx))[:, :, None, None] * grad_out,
-                        fixed_point_scale,
-                        ACCUMULATOR,
-                        FIXED_POINT,
-                    ),
-                    mask=(left & bottom)[:, :, None, None] & adds,
-                    sem="relaxed",
-                )
-                tl.atomic_add(
-                    accumulator + below + ROW,
-                    _to_accumulator(
-                        (a_bottom * fx)[:, :, None, None] * grad_out, fixed_point_scale, ACCUMULATOR, FIXED_POINT
-                    ),
-                    mask=(right & bottom)[:, :, None, None] & adds,
-                    sem="relaxed",
-                )
+            # This thread's sample's corner rows dotted with grad_out, from the turn that was its own.
+            dot_tl = tl.zeros_like(fx)
+            dot_tr = tl.zeros_like(fx)
+            dot_bl = tl.zeros_like(fx)
+            dot_br = tl.zeros_like(fx)
+            # LANE_UNROLL 2 takes two turns a step, the rows of both loaded before either's adds
+            # (the step loop says why the loads come first).
+            for k in tl.range(0, TURNS, LANE_UNROLL):
+                top_row, bottom_row, inside, w_tl, w_tr, w_bl, w_br = _lane_turn(
+                    row, below, corners, a_top, a_bottom, fx, k, lane, channel, True, HEAD_DIM, LANES, PACK_CORNERS,
+                    SHUFFLE,
+                )  # fmt: skip
+                v_tl = tl.load(value_ptr + top_row, mask=((inside & 1) != 0) & d_ok, other=0.0,
+                               eviction_policy=VALUE_EVICTION)  # fmt: skip
+                v_tr = tl.load(value_ptr + top_row + ROW, mask=((inside & 2) != 0) & d_ok, other=0.0,
+                               eviction_policy=VALUE_EVICTION)  # fmt: skip
+                v_bl = tl.load(value_ptr + bottom_row, mask=((inside & 4) != 0) & d_ok, other=0.0,
+                               eviction_policy=VALUE_EVICTION)  # fmt: skip
+                v_br = tl.load(value_ptr + bottom_row + ROW, mask=((inside & 8) != 0) & d_ok, other=0.0,
+                               eviction_policy=VALUE_EVICTION)  # fmt: skip
+                if LANE_UNROLL == 2:  # the second turn: none past the last
+                    top_row_2, bottom_row_2, inside_2, w_tl_2, w_tr_2, w_bl_2, w_br_2 = _lane_turn(
+                        row, below, corners, a_top, a_bottom, fx, k + 1, lane, channel, k + 1 < TURNS, HEAD_DIM,
+                        LANES, PACK_CORNERS, SHUFFLE,
+                    )  # fmt: skip
+                    v_tl_2 = tl.load(value_ptr + top_row_2, mask=((inside_2 & 1) != 0) & d_ok, other=0.0,
+                                     eviction_policy=VALUE_EVICTION)  # fmt: skip
+                    v_tr_2 = tl.load(value_ptr + top_row_2 + ROW, mask=((inside_2 & 2) != 0) & d_ok, other=0.0,
+                                     eviction_policy=VALUE_EVICTION)  # fmt: skip
+                    v_bl_2 = tl.load(value_ptr + bottom_row_2, mask=((inside_2 & 4) != 0) & d_ok, other=0.0,
+                                     eviction_policy=VALUE_EVICTION)  # fmt: skip
+                    v_br_2 = tl.load(value_ptr + bottom_row_2 + ROW, mask=((inside_2 & 8) != 0) & d_ok, other=0.0,
+                                     eviction_policy=VALUE_EVICTION)  # fmt: skip
+                tl.atomic_add(grad_value_ptr + top_row, (w_tl * grad_out).to(ACCUMULATOR),
+                              mask=((inside & 1) != 0) & d_ok, sem="relaxed")  # fmt: skip
+                tl.atomic_add(grad_value_ptr + top_row + ROW, (w_tr * grad_out).to(ACCUMULATOR),
+                              mask=((inside & 2) != 0) & d_ok, sem="relaxed")  # fmt: skip
+                tl.atomic_add(grad_value_ptr + bottom_row, (w_bl * grad_out).to(ACCUMULATOR),
+                              mask=((inside & 4) != 0) & d_ok, sem="relaxed")  # fmt: skip
+                tl.atomic_add(grad_value_ptr + bottom_row + ROW, (w_br * grad_out).to(ACCUMULATOR),
+                              mask=((inside & 8) != 0) & d_ok, sem="relaxed")  # fmt: skip
+                if LANE_UNROLL == 2:
+                    tl.atomic_add(grad_value_ptr + top_row_2, (w_tl_2 * grad_out).to(ACCUMULATOR),
+                                  mask=((inside_2 & 1) != 0) & d_ok, sem="relaxed")  # fmt: skip
+                    tl.atomic_add(grad_value_ptr + top_row_2 + ROW, (w_tr_2 * grad_out).to(ACCUMULATOR),
+                                  mask=((inside_2 & 2) != 0) & d_ok, sem="relaxed")  # fmt: skip
+                    tl.atomic_add(grad_value_ptr + bottom_row_2, (w_bl_2 * grad_out).to(ACCUMULATOR),
+                                  mask=((inside_2 & 4) != 0) & d_ok, sem="relaxed")  # fmt: skip
+                    tl.atomic_add(grad_value_ptr + bottom_row_2 + ROW, (w_br_2 * grad_out).to(ACCUMULATOR),
+                                  mask=((inside_2 & 8) != 0) & d_ok, sem="relaxed")  # fmt: skip
+                # Each dot summed over the row's threads, then kept by lane k.
+                mine = lane == k
+                dot_tl = tl.where(mine, _row_dot(v_tl, grad_out), dot_tl)
+                dot_tr = tl.where(mine, _row_dot(v_tr, grad_out), dot_tr)
+                dot_bl = tl.where(mine, _row_dot(v_bl, grad_out), dot_bl)
+                dot_br = tl.where(mine, _row_dot(v_br, grad_out), dot_br)
+                if LANE_UNROLL == 2:
+                    mine = lane == k + 1
+                    dot_tl = tl.where(mine, _row_dot(v_tl_2, grad_out), dot_tl)
+                    dot_tr = tl.where(mine, _row_dot(v_tr_2, grad_out), dot_tr)
+                    dot_bl = tl.where(mine, _row_dot(v_bl_2, grad_out), dot_bl)
+                    dot_br = tl.where(mine, _row_dot(v_br_2, grad_out), dot_br)
             grad_attn = (1.0 - fy) * ((1.0 - fx) * dot_tl + fx * dot_tr) + fy * ((1.0 - fx) * dot_bl + fx * dot_br)
-            # d/dx_im of the bilinear weights, then the chain rule through x_im = x * W - 0.5.
-            grad_x = ((1.0 - fy) * (dot_tr - dot_tl) + fy * (dot_br - dot_bl)) * attn * w.to(COMPUTE)
-            grad_y = ((1.0 - fx) * (dot_bl - dot_tl) + fx * (dot_br - dot_tr)) * attn * h.to(COMPUTE)
-            if SOFTMAX:
-                tl.store(scratch_ptr + param, grad_attn.to(scratch_ptr.dtype.element_ty), mask=mask)
-                weighted_grad += tl.where(mask, attn * grad_attn, 0.0)
-            else:
-                tl.store(grad_attn_ptr + param, grad_attn.to(grad_attn_ptr.dtype.element_ty), mask=mask)
-            tl.store(grad_loc_ptr + 2 * param, grad_x.to(grad_loc_ptr.dtype.element_ty), mask=mask)
-            tl.store(grad_loc_ptr + 2 * param + 1, grad_y.to(grad_loc_ptr.dtype.element_ty), mask=mask)
-        # After a level's last step: the next level's first row and replica row (0 after the last level).
-        level_done = step % STEPS == STEPS - 1
-        wraps = level == NUM_LEVELS - 1
-        if not LEVEL_STARTS:
-            start = tl.where(level_done, tl.where(wraps, start * 0, start + h * w), start)
-        if REPLICAS:
-            used = tl.where(level_done, tl.where(wraps, used * 0, used + (replicas - 1) * area), used)
+            grad_x = ((1.0 - fy) * (dot_tr - dot_tl) + fy * (dot_br - dot_bl)) * attn * w.to(tl.float32)
+            grad_y = ((1.0 - fx) * (dot_bl - dot_tl) + fx * (dot_br - dot_tr)) * attn * h.to(tl.float32)
+            tl.store(grad_attn_ptr + param, grad_attn.to(grad_attn_ptr.dtype.element_ty), mask=ok)
+            tl.store(grad_loc_ptr + 2 * param, grad_x.to(grad_loc_ptr.dtype.element_ty), mask=ok)
+            tl.store(grad_loc_ptr + 2 * param + 1, grad_y.to(grad_loc_ptr.dtype.element_ty), mask=ok)
+    else:
+        q_ok = (q < num_queries)[None, :]
+        group = tl.arange(0, GROUPS)[:, None]
+        channel = tl.arange(0, BLOCK_D // CHUNK)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+        channel = channel[None, None, :, :]
+        d_ok = channel < HEAD_DIM
+        LK: tl.constexpr = NUM_LEVELS * NUM_POINTS
+        ROW: tl.constexpr = NUM_HEADS * HEAD_DIM
+        first_param = ((b * num_queries + q[None, :]) * NUM_HEADS + m) * LK  # [1, BLOCK_Q]
 
-    if SOFTMAX:
-        weighted_sum = tl.sum(weighted_grad, axis=0, keep_dims=True)  # [1, BLOCK_Q]
-        tl.debug_barrier()  # every g of the program's queries written (by whichever thread)
-        for step in tl.range(0, LK, GROUPS * UNROLL):
+        grad_out = tl.load(
+            grad_out_ptr
+            + b * grad_out_stride_b
+            + q[None, :, None, None] * grad_out_stride_q
+            + m * HEAD_DIM
+            + channel,
+            mask=q_ok[:, :, None, None] & d_ok,
+            other=0.0,
+        ).to(COMPUTE)  # [1, BLOCK_Q, BLOCK_D // CHUNK, CHUNK]
+
+        if SOFTMAX:
+            # The weights p = exp(logit - row_max) * row_scale (as in the forward). The softmax
+            # backward, d logit_j = p_j * (g_j - sum_i p_i g_i) with g the gradient of the weights,
+            # needs all L * K of a query's g before any d logit: the level loop writes each g to
+            # scratch (in COMPUTE: a half-precision g would lose the bits that g - sum cancels) and
+            # sums p * g per query; a last pass reads g back and writes d logit.
+            row_max, row_scale = softmax_stats(attn_ptr, first_param, q_ok, group, LK, GROUPS, UNROLL, COMPUTE)
+            weighted_grad = tl.zeros([GROUPS, BLOCK_Q], dtype=COMPUTE)  # p * g, summed over the samples
+
+        ACCUMULATOR = grad_value_ptr.dtype.element_ty
+        if FIXED_POINT:  # integer adds give the same sum in any order: bitwise deterministic
+            fixed_point_scale = tl.load(fixed_point_scale_ptr)
+        else:
+            fixed_point_scale = 1.0
+
+        # One loop over every level's steps, a step GROUPS * UNROLL points of one level. With PREFETCH
+        # (one point a group a step) each step loads the next one's parameters, so that their latency
+        # overlaps this step's gathers and reductions instead of preceding its placement.
+        # Each program starts at another level (its query block's number modulo L) and wraps round:
+        # programs in step would otherwise all add into the few rows of the coarse levels at once,
+        # and same-address adds queue in L2 (the float16 decoder's kernel: 29.1 -> 26.5 us, entry 33).
+        STEPS: tl.constexpr = (NUM_POINTS + GROUPS * UNROLL - 1) // (GROUPS * UNROLL)  # a level's steps
+        MASKED_WEIGHT: tl.constexpr = float("-inf") if SOFTMAX else 0.0  # a masked logit's softmax weight is 0
+        first_level = q_block % NUM_LEVELS
+        start = b * 0  # the level's first row, in the index dtype
+        used = b * 0  # replica rows (a batch) taken by the levels before
+        if (not LEVEL_STARTS) or REPLICAS:  # both sums up to the first level
+            for before in tl.static_range(NUM_LEVELS - 1):
+                if before < first_level:
+                    h = tl.load(shapes_ptr + 2 * before).to(b.dtype)
+                    w = tl.load(shapes_ptr + 2 * before + 1).to(b.dtype)
+                    if REPLICAS:
+                        replicas, area = level_replicas(h, w, used, num_queries, replica_rows, NUM_POINTS)
+                        used += (replicas - 1) * area
+                    start += h * w
+        if PREFETCH:  # step 0: the first level, point `group`
+            tl.static_assert(UNROLL == 1, "the backward prefetches one point a group a step")
+            mask = (group < NUM_POINTS) & q_ok
+            first = first_param + first_level * NUM_POINTS + group
+            next_attn = tl.load(attn_ptr + first, mask=mask, other=MASKED_WEIGHT)
+            next_x = tl.load(loc_ptr + 2 * first, mask=mask, other=0.0)
+            next_y = tl.load(loc_ptr + 2 * first + 1, mask=mask, other=0.0)
+        for step in tl.range(0, NUM_LEVELS * STEPS):
+            level = (step // STEPS + first_level) % NUM_LEVELS
+            h = tl.load(shapes_ptr + 2 * level).to(b.dtype)
+            w = tl.load(shapes_ptr + 2 * level + 1).to(b.dtype)
+            if LEVEL_STARTS:
+                start = tl.load(starts_ptr + level).to(b.dtype)
+            usable = level_ok(h, w, start, num_values)
+            level_row = (b * num_values + start) * NUM_HEADS + m
+            adds = d_ok  # the grad_value adds' mask beside the corners'
+            if TILE_PIXELS > 0:  # that level's sums are shared_tile.py's kernel's where it fits its tile
+                adds = d_ok & ((level != NUM_LEVELS - 1) | (h * w > TILE_PIXELS))
+            # grad_value is summed at accumulator + corner (corner: the value element's offset), in
+            # grad_value itself or, on a level with replicas, in the program's replica of its rows.
+            accumulator = grad_value_ptr
+            if REPLICAS:
+                replicas, area = level_replicas(h, w, used, num_queries, replica_rows, NUM_POINTS)
+                replica = q_block % replicas
+                if replica > 0:
+                    replica_row = (b * replica_rows + used + (replica - 1) * area) * NUM_HEADS + m
+                    accumulator = replica_ptr + (replica_row - level_row) * HEAD_DIM
+            if PREFETCH:
+                attn_now, x_now, y_now = next_attn, next_x, next_y
+                following = step + 1
+                next_point = (following % STEPS) * GROUPS + group
+                mask = (next_point < NUM_POINTS) & q_ok & (following < NUM_LEVELS * STEPS)
+                next_level = (following // STEPS + first_level) % NUM_LEVELS
+                next_param = first_param + next_level * NUM_POINTS + next_point
+                next_attn = tl.load(attn_ptr + next_param, mask=mask, other=MASKED_WEIGHT)
+                next_x = tl.load(loc_ptr + 2 * next_param, mask=mask, other=0.0)
+                next_y = tl.load(loc_ptr + 2 * next_param + 1, mask=mask, other=0.0)
             for unrolled in tl.static_range(UNROLL):
-                j = step + unrolled * GROUPS + group
-                mask = (j < LK) & q_ok
-                logit = tl.load(attn_ptr + first_param + j, mask=mask, other=float("-inf")).to(COMPUTE)
-                p = tl.exp(logit - row_max) * row_scale
-                g = tl.load(scratch_ptr + first_param + j, mask=mask, other=0.0).to(COMPUTE)
-                grad_logit = p * (g - weighted_sum)
-                # scratch may be grad_attn itself: every thread holding this element has read
-                # its g before any writes d logit over it.
-                tl.debug_barrier()
-                tl.store(grad_attn_ptr + first_param + j, grad_logit.to(grad_attn_ptr.dtype.element_ty), mask=mask)
+                point = (step % STEPS) * (GROUPS * UNROLL) + unrolled * GROUPS + group
+                mask = (point < NUM_POINTS) & q_ok
+                param = first_param + level * NUM_POINTS + point  # [GROUPS, BLOCK_Q]
+                if PREFETCH:
+                    attn, x, y = attn_now, x_now, y_now
+                else:
+                    attn = tl.load(attn_ptr + param, mask=mask, other=MASKED_WEIGHT)
+                    x = tl.load(loc_ptr + 2 * param, mask=mask, other=0.0)
+                    y = tl.load(loc_ptr + 2 * param + 1, mask=mask, other=0.0)
+                attn = attn.to(COMPUTE)
+                if SOFTMAX:  # masked logits -inf: weight exactly 0
+                    attn = tl.exp(attn - row_max) * row_scale
+                x0, y0, fx, fy, left, right, top, bottom = place_sample(x, y, h, w, usable, mask, COMPUTE)
+                if not SOFTMAX:  # a softmax weight is finite or NaN already (sampling.softmax_stats)
+                    attn = finite_or_nan(attn)
+                if COUNT_STRIDE > 0:
+                    # The deterministic mode's lists (deterministic.py) count here, where the sample is
+                    # placed anyway, as msda_sample_lists_kernel will list it: under its
+                    # top-left corner's pixel, if its left or right corner is inside. (A pass of its
+                    # own waited on its atomics: 96 us at the bfloat16 encoder, bench/NOTES.md entry 38.)
+                    # The count before this sample's is its rank in the list, its slot there: stored
+                    # where msda_sample_lists_kernel reads it, then writes the sample's corner weights
+                    # (an integer in a float's bits), so that pass needs no atomics of its own.
+                    pixel = start + tl.maximum(y0, 0) * w + tl.maximum(x0, 0)
+                    listed = left | right
+                    rank = tl.atomic_add(
+                        list_counts_ptr + ((b * NUM_HEADS + m) * num_values + pixel) * COUNT_STRIDE,
+                        1,
+                        mask=listed,
+                        sem="relaxed",
+                    )
+                    tl.store(
+                        list_ranks_ptr + 4 * param, rank_as_float(rank, list_ranks_ptr.dtype.element_ty), mask=listed
+                    )
+                corner = (level_row + (y0 * w + x0) * NUM_HEADS) * HEAD_DIM
+                corner = corner[:, :, None, None] + channel
+                below = corner + w * ROW
+                # Each corner: its value row dotted with grad_out (for the location and attention
+                # gradients), and attn * weight * grad_out scattered into grad_value. Many queries
+                # can hit one value row, so that is an atomic add; relaxed: only the sum matters.
+                # The four rows are loaded before any add: ptxas keeps a load after an atomic add
+                # to memory it cannot tell apart (value and grad_value), so loads interleaved with
+                # the adds wait for each other, four trips to L2 a step where one will do.
+                # (Written out per corner: a helper taking both pointers would make torch.compile
+                # believe the kernel writes `value`.)
+                a_top = attn * (1.0 - fy)
+                a_bottom = attn * fy
+                v_tl = tl.load(
+                    value_ptr + corner,
+                    mask=(left & top)[:, :, None, None] & d_ok,
+                    other=0.0,
+                    eviction_policy=VALUE_EVICTION,
+                )
+                v_tr = tl.load(
+                    value_ptr + corner + ROW,
+                    mask=(right & top)[:, :, None, None] & d_ok,
+                    other=0.0,
+                    eviction_policy=VALUE_EVICTION,
+                )
+                v_bl = tl.load(
+                    value_ptr + below,
+                    mask=(left & bottom)[:, :, None, None] & d_ok,
+                    other=0.0,
+                    eviction_policy=VALUE_EVICTION,
+                )
+                v_br = tl.load(
+                    value_ptr + below + ROW,
+                    mask=(right & bottom)[:, :, None, None] & d_ok,
+                    other=0.0,
+                    eviction_policy=VALUE_EVICTION,
+                )
+                dot_tl = tl.sum(tl.sum(v_tl.to(COMPUTE) * grad_out, axis=3), axis=2)
+                dot_tr = tl.sum(tl.sum(v_tr.to(COMPUTE) * grad_out, axis=3), axis=2)
+                dot_bl = tl.sum(tl.sum(v_bl.to(COMPUTE) * grad_out, axis=3), axis=2)
+                dot_br = tl.sum(tl.sum(v_br.to(COMPUTE) * grad_out, axis=3), axis=2)
+                if GRAD_VALUE:
+                    tl.atomic_add(
+                        accumulator + corner,
+                        _to_accumulator(
+                            (a_top * (1.0 - fx))[:, :, None, None] * grad_out,
+                            fixed_point_scale,
+                            ACCUMULATOR,
+                            FIXED_POINT,
+                        ),
+                        mask=(left & top)[:, :, None, None] & adds,
+                        sem="relaxed",
+                    )
+                    tl.atomic_add(
+                        accumulator + corner + ROW,
+                        _to_accumulator(
+                            (a_top * fx)[:, :, None, None] * grad_out, fixed_point_scale, ACCUMULATOR, FIXED_POINT
+                        ),
+                        mask=(right & top)[:, :, None, None] & adds,
+                        sem="relaxed",
+                    )
+                    tl.atomic_add(
+                        accumulator + below,
+                        _to_accumulator(
+                            (a_bottom * (1.0 - fx))[:, :, None, None] * grad_out,
+                            fixed_point_scale,
+                            ACCUMULATOR,
+                            FIXED_POINT,
+                        ),
+                        mask=(left & bottom)[:, :, None, None] & adds,
+                        sem="relaxed",
+                    )
+                    tl.atomic_add(
+                        accumulator + below + ROW,
+                        _to_accumulator(
+                            (a_bottom * fx)[:, :, None, None] * grad_out, fixed_point_scale, ACCUMULATOR, FIXED_POINT
+                        ),
+                        mask=(right & bottom)[:, :, None, None] & adds,
+                        sem="relaxed",
+                    )
+                grad_attn = (1.0 - fy) * ((1.0 - fx) * dot_tl + fx * dot_tr) + fy * ((1.0 - fx) * dot_bl + fx * dot_br)
+                # d/dx_im of the bilinear weights, then the chain rule through x_im = x * W - 0.5.
+                grad_x = ((1.0 - fy) * (dot_tr - dot_tl) + fy * (dot_br - dot_bl)) * attn * w.to(COMPUTE)
+                grad_y = ((1.0 - fx) * (dot_bl - dot_tl) + fx * (dot_br - dot_tr)) * attn * h.to(COMPUTE)
+                if SOFTMAX:
+                    tl.store(scratch_ptr + param, grad_attn.to(scratch_ptr.dtype.element_ty), mask=mask)
+                    weighted_grad += tl.where(mask, attn * grad_attn, 0.0)
+                else:
+                    tl.store(grad_attn_ptr + param, grad_attn.to(grad_attn_ptr.dtype.element_ty), mask=mask)
+                tl.store(grad_loc_ptr + 2 * param, grad_x.to(grad_loc_ptr.dtype.element_ty), mask=mask)
+                tl.store(grad_loc_ptr + 2 * param + 1, grad_y.to(grad_loc_ptr.dtype.element_ty), mask=mask)
+            # After a level's last step: the next level's first row and replica row (0 after the last level).
+            level_done = step % STEPS == STEPS - 1
+            wraps = level == NUM_LEVELS - 1
+            if not LEVEL_STARTS:
+                start = tl.where(level_done, tl.where(wraps, start * 0, start + h * w), start)
+            if REPLICAS:
+                used = tl.where(level_done, tl.where(wraps, used * 0, used + (replicas - 1) * area), used)
+
+        if SOFTMAX:
+            weighted_sum = tl.sum(weighted_grad, axis=0, keep_dims=True)  # [1, BLOCK_Q]
+            tl.debug_barrier()  # every g of the program's queries written (by whichever thread)
+            for step in tl.range(0, LK, GROUPS * UNROLL):
+                for unrolled in tl.static_range(UNROLL):
+                    j = step + unrolled * GROUPS + group
+                    mask = (j < LK) & q_ok
+                    logit = tl.load(attn_ptr + first_param + j, mask=mask, other=float("-inf")).to(COMPUTE)
+                    p = tl.exp(logit - row_max) * row_scale
+                    g = tl.load(scratch_ptr + first_param + j, mask=mask, other=0.0).to(COMPUTE)
+                    grad_logit = p * (g - weighted_sum)
+                    # scratch may be grad_attn itself: every thread holding this element has read
+                    # its g before any writes d logit over it.
+                    tl.debug_barrier()
+                    tl.store(grad_attn_ptr + first_param + j, grad_logit.to(grad_attn_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _lane_turn(
+    row, below, corners, a_top, a_bottom, fx, k, lane, channel, valid,
+    HEAD_DIM: tl.constexpr, LANES: tl.constexpr, PACK_CORNERS: tl.constexpr, SHUFFLE: tl.constexpr,
+):  # fmt: skip
+    """Lane k's sample as each thread of its row takes it in turn k of the lane placement: the
+    element offsets of its top and bottom corner rows at the thread's `channel`s, which corners
+    are inside (bits 1, 2, 4 and 8: top left, top right, bottom left, bottom right; none where
+    not `valid`) and the four corners' weights. Takes no pointers (sampling.py says why)."""
+    if PACK_CORNERS:
+        inside = from_lane(row, k, lane, LANES, SHUFFLE)
+        # Multiples of 16, said so (`& -16` holds the hint: on a shuffle's result Triton drops
+        # it), or Triton would not vectorize the loads and adds.
+        top_row = tl.multiple_of(inside & -16, [16, 16, 16, 16]) + channel
+        bottom_row = from_lane(below, k, lane, LANES, SHUFFLE)
+        bottom_row = tl.multiple_of(bottom_row & -16, [16, 16, 16, 16]) + channel
+    else:
+        inside = from_lane(corners, k, lane, LANES, SHUFFLE)
+        top_row = from_lane(row, k, lane, LANES, SHUFFLE) * HEAD_DIM + channel
+        bottom_row = from_lane(below, k, lane, LANES, SHUFFLE) * HEAD_DIM + channel
+    inside = tl.where(valid, inside, 0)
+    a_top_k = from_lane(a_top, k, lane, LANES, SHUFFLE)
+    a_bottom_k = from_lane(a_bottom, k, lane, LANES, SHUFFLE)
+    fx_k = from_lane(fx, k, lane, LANES, SHUFFLE)
+    return (
+        top_row, bottom_row, inside,
+        a_top_k * (1.0 - fx_k), a_top_k * fx_k, a_bottom_k * (1.0 - fx_k), a_bottom_k * fx_k,
+    )  # fmt: skip
+
+
+@triton.jit
+def _row_dot(rows, grad_out):
+    """Each row of [LANES, GROUPS, BLOCK_Q, VECTOR] `rows` (a row's channels over its LANES threads)
+    dotted with grad_out, in float32: [1, GROUPS, BLOCK_Q, 1], the sum in every thread of the row."""
+    return tl.sum(tl.sum(rows.to(tl.float32) * grad_out, axis=3, keep_dims=True), axis=0, keep_dims=True)
 
 
 @triton.jit

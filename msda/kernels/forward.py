@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .sampling import finite_or_nan, level_ok, place_sample
+from .sampling import finite_or_nan, from_lane, level_ok, place_sample
 
 
 @triton.jit
@@ -222,22 +222,6 @@ def _step(
 
 
 @triton.jit
-def _from_lane(x, k, lane, SEGMENT: tl.constexpr, SHUFFLE: tl.constexpr):
-    """Each thread's copy of `x` as held by lane k of its row: `x` is [SEGMENT, GROUPS, BLOCK_Q, 1],
-    axis 0 laid over SEGMENT consecutive threads (the threads that read one value row) and `lane`
-    its index. SHUFFLE: one warp shuffle (PTX shfl.sync, 32-bit `x`); else (Triton's
-    interpreter, other GPUs) a masked sum over the axis, exact as every other term is 0."""
-    if SHUFFLE:
-        SEGMENTS: tl.constexpr = ((32 - SEGMENT) << 8) | 31  # shfl's c operand: SEGMENT-lane segments
-        return tl.inline_asm_elementwise(
-            f"shfl.sync.idx.b32 $0, $1, $2, {SEGMENTS}, -1;", "=r,r,r", [x, lane * 0 + k], dtype=x.dtype, is_pure=True,
-            pack=1,
-        )
-    else:
-        return tl.sum(tl.where(lane == k, x, 0), axis=0, keep_dims=True)
-
-
-@triton.jit
 def _lane_placed_samples(
     value_ptr,
     shapes_ptr,
@@ -266,7 +250,7 @@ def _lane_placed_samples(
     low and high elements, [LANES, GROUPS, BLOCK_Q, VECTOR // 2] each (channel lane * VECTOR + 2 *
     pair + 0 or 1: see `_bf16_pairs`). Each sample is placed once: the LANES threads that read a
     value row each place one sample of their row's query, then take turns, every thread of the
-    row reading the corners of lane k's sample with its placement passed by `_from_lane`. The
+    row reading the corners of lane k's sample with its placement passed by `sampling.from_lane`. The
     other loop places every sample in each of the row's threads: most of its instructions
     (bench/NOTES.md, entry 26). The lane axis comes first: Triton gives threads to the
     contiguous element axis, then to the others in axis order, so the LANES threads of a row
@@ -332,7 +316,7 @@ def _lane_placed_samples(
         # attn_bottom and fx (entry 30), and the levels' widths sit in uniform registers.
         for k in tl.range(0, TURNS, loop_unroll_factor=LANE_UNROLL):
             if PACK_CORNERS:
-                inside = _from_lane(row, k, lane, LANES, SHUFFLE)
+                inside = from_lane(row, k, lane, LANES, SHUFFLE)
                 # Multiples of 16, said so (`& -16` holds the hint: on a shuffle's result Triton
                 # drops it), or Triton would not vectorize the loads.
                 top_row = tl.multiple_of(inside & -16, [16, 16, 16, 16]) + channel
@@ -343,15 +327,15 @@ def _lane_placed_samples(
                         width = tl.where(level_k == other, tl.load(shapes_ptr + 2 * other + 1).to(b.dtype), width)
                     bottom_row = top_row + width * ROW
                 else:
-                    bottom_row = _from_lane(below, k, lane, LANES, SHUFFLE)
+                    bottom_row = from_lane(below, k, lane, LANES, SHUFFLE)
                     bottom_row = tl.multiple_of(bottom_row & -16, [16, 16, 16, 16]) + channel
             else:
-                top_row = _from_lane(row, k, lane, LANES, SHUFFLE) * (HEAD_DIM // ELEMENTS) + channel
-                bottom_row = _from_lane(below, k, lane, LANES, SHUFFLE) * (HEAD_DIM // ELEMENTS) + channel
-                inside = _from_lane(corners, k, lane, LANES, SHUFFLE)
-            a_top = _from_lane(attn_top, k, lane, LANES, SHUFFLE)
-            a_bottom = _from_lane(attn_bottom, k, lane, LANES, SHUFFLE)
-            fx_k = _from_lane(fx, k, lane, LANES, SHUFFLE)
+                top_row = from_lane(row, k, lane, LANES, SHUFFLE) * (HEAD_DIM // ELEMENTS) + channel
+                bottom_row = from_lane(below, k, lane, LANES, SHUFFLE) * (HEAD_DIM // ELEMENTS) + channel
+                inside = from_lane(corners, k, lane, LANES, SHUFFLE)
+            a_top = from_lane(attn_top, k, lane, LANES, SHUFFLE)
+            a_bottom = from_lane(attn_bottom, k, lane, LANES, SHUFFLE)
+            fx_k = from_lane(fx, k, lane, LANES, SHUFFLE)
             w_tl = a_top * (1.0 - fx_k)
             w_tr = a_top * fx_k
             w_bl = a_bottom * (1.0 - fx_k)
@@ -409,7 +393,7 @@ def msda_forward_kernel(
     PREFETCH: tl.constexpr,  # load each step's parameters one step ahead
     BF16_PAIRS: tl.constexpr,  # bfloat16 value read as int32 pairs (even HEAD_DIM): see _bf16_pairs
     LANE_PLACEMENT: tl.constexpr,  # each sample placed by one thread of its row: _lane_placed_samples
-    SHUFFLE: tl.constexpr,  # with LANE_PLACEMENT: pass placements by warp shuffles (CUDA), see _from_lane
+    SHUFFLE: tl.constexpr,  # with LANE_PLACEMENT: pass placements by warp shuffles (CUDA), see sampling.from_lane
     LANE_UNROLL: tl.constexpr,  # with LANE_PLACEMENT: the row's turns unrolled this many at a time
 ):
     # One program: BLOCK_Q queries of one (batch, head); neighbouring programs take the next

@@ -70,8 +70,8 @@ class TileConfig(NamedTuple):
     unroll_levels: int = 0  # forward: unroll the level loop when L * K is at most this
     prefetch: bool = False  # load each loop step's parameters one step ahead (the backward: at one point a group)
     bf16_pairs: bool = False  # forward: read a bfloat16 value as int32 pairs (even head_dim)
-    lane_placement: bool = False  # forward: one thread of a row places each sample (`lane_placement`)
-    lane_unroll: int = 1  # forward, lane placement: the row's turns unrolled this many at a time
+    lane_placement: bool = False  # one thread of a row places each sample (`lane_placement`)
+    lane_unroll: int = 1  # lane placement: the row's turns unrolled this many at a time (the backward: 1 or 2)
     max_registers: int = 0  # ptxas's register target a thread (Triton's maxnreg); 0: ptxas's choice
 
     @functools.lru_cache(maxsize=256)
@@ -189,17 +189,26 @@ def backward_config(
     against 839-859 under `local`, entry 48; 1 query costs the half encoders 30%). Both lose at
     the decoder (4 us at 2 queries in entry 33's tiles), hence the encoder alone.
 
+    Each sample placed once, by one thread of its row (`lane_placement`), where the adds go
+    straight to grad_value (not the replicas of the half-precision encoders, nor the float32
+    encoder's level left to the shared tile): on the H200 (entry 57, fresh grad_value a call) the
+    float32 decoder 62.2 us against 65.6 (59.3 against 62.4 under `local`), the float32 encoder
+    without the shared tile 854 against 870 (805 against 824), and the half-precision decoders at 2
+    queries, the rows of two turns loaded before their adds (`lane_unroll` 2), 36.2-36.6 against
+    37.6-37.7 (33.4-33.9 against 35.2-35.4). Float32 gained nothing from the two turns (entry 57).
+
     lists: the deterministic mode's kernel, which leaves grad_value to its lists (no atomics), 2
     queries everywhere: the whole deterministic backward of the decoders 81.1 us against 88.6
     (bfloat16), 82.1 against 88.8 (float16), 103.4 against 106.1 (float32), of the float32
     encoder 1414 against 1419 (graph replay, entry 41)."""
-    if lists or (encoder and value_dtype in (torch.float16, torch.bfloat16)):
-        block_q = 2
-    elif encoder and value_dtype == torch.float32:
-        block_q = 1
-    else:
-        block_q = 4
-    return TileConfig(block_q=block_q, groups=4, threads_per_row=0, prefetch=True)
+    half = value_dtype in (torch.float16, torch.bfloat16)
+    if lists or (encoder and half):
+        return TileConfig(block_q=2, groups=4, threads_per_row=0, prefetch=True)
+    if encoder and value_dtype == torch.float32:
+        return TileConfig(block_q=1, groups=4, threads_per_row=0, prefetch=True, lane_placement=True)
+    if half and head_dim % 8 == 0:  # where the lane placement applies: 2 queries, two turns a step
+        return TileConfig(block_q=2, groups=4, threads_per_row=0, prefetch=True, lane_placement=True, lane_unroll=2)
+    return TileConfig(block_q=4, groups=4, threads_per_row=0, prefetch=True, lane_placement=True)
 
 
 def compute_dtype(*tensors: Tensor):
@@ -232,7 +241,8 @@ def _pairs_readable(value: Tensor) -> bool:
 
 
 def lane_placement(config: TileConfig, constexprs: dict, element_size: int) -> bool:
-    """Whether the forward takes `forward._lane_placed_samples`: asked for, a row read with one
+    """Whether the forward takes `forward._lane_placed_samples` (and the backward its lane
+    placement, where its adds are plain ones: `_backward_constexprs`): asked for, a row read with one
     load a thread, float32 arithmetic (its shuffles pass 32-bit values), 32-bit indices, no
     softmax, the points of each level in two or more groups (so that each thread's parameters
     are not a vector of its neighbours', which Triton would load in another layout), and a tile
@@ -252,7 +262,7 @@ def lane_placement(config: TileConfig, constexprs: dict, element_size: int) -> b
 
 
 # Whether the kernels may pass values between threads by PTX warp shuffles: on NVIDIA GPUs, not
-# in Triton's interpreter (CPU) or on ROCm (`forward._from_lane` has a portable form). Read once,
+# in Triton's interpreter (CPU) or on ROCm (`sampling.from_lane` has a portable form). Read once,
 # as Triton itself decides at import whether its kernels are interpreted.
 WARP_SHUFFLES = os.environ.get("TRITON_INTERPRET") != "1" and torch.version.hip is None
 
@@ -472,6 +482,17 @@ def _backward_constexprs(
         TILE_PIXELS=tile_pixels,
     )
     constexprs["PREFETCH"] = bool(config.prefetch) and constexprs["UNROLL"] == 1
+    # The lane placement adds straight into grad_value, not into replicas, in fixed point, or beside
+    # the lists or the shared tile; and its rows must start on whole 16-byte vectors: where they
+    # may not (D = 6 in float32), Triton lays the adds' vectors over two threads, and the
+    # placements' shuffles with them (scripts/compile_check.py caught it).
+    plain_adds = accumulator_size in (2, 4) and not (fixed_point or replicas or count_stride or tile_pixels)
+    whole_vectors = D % (16 // dtype.itemsize) == 0
+    constexprs.update(
+        LANE_PLACEMENT=plain_adds and whole_vectors and lane_placement(config, constexprs, dtype.itemsize),
+        SHUFFLE=WARP_SHUFFLES,
+        LANE_UNROLL=min(2, max(1, int(config.lane_unroll))),
+    )
     return constexprs
 
 

@@ -1,5 +1,5 @@
-"""Triton helpers shared by the forward and backward kernels: where a sample lands, and the
-softmax statistics of the softmax operators.
+"""Triton helpers shared by the forward and backward kernels: where a sample lands, a value passed
+between the threads of a row, and the softmax statistics of the softmax operators.
 
 These helpers take no pointers, and the kernels load their inputs themselves: torch.compile
 decides which tensors a Triton kernel writes by tracing each store's address back through the
@@ -68,6 +68,22 @@ def place_sample(x, y, h, w, level_ok, mask, COMPUTE: tl.constexpr):
     top = y0 >= 0
     bottom = y0 < h - 1
     return x0, y0, fx, fy, left, right, top, bottom
+
+
+@triton.jit
+def from_lane(x, k, lane, SEGMENT: tl.constexpr, SHUFFLE: tl.constexpr):
+    """Each thread's copy of `x` as held by lane k of its row: `x` is [SEGMENT, GROUPS, BLOCK_Q, 1],
+    axis 0 laid over SEGMENT consecutive threads (the threads that read one value row) and `lane`
+    its index. SHUFFLE: one warp shuffle (PTX shfl.sync, 32-bit `x`); else (Triton's
+    interpreter, other GPUs) a masked sum over the axis, exact as every other term is 0."""
+    if SHUFFLE:
+        SEGMENTS: tl.constexpr = ((32 - SEGMENT) << 8) | 31  # shfl's c operand: SEGMENT-lane segments
+        return tl.inline_asm_elementwise(
+            f"shfl.sync.idx.b32 $0, $1, $2, {SEGMENTS}, -1;", "=r,r,r", [x, lane * 0 + k], dtype=x.dtype, is_pure=True,
+            pack=1,
+        )
+    else:
+        return tl.sum(tl.where(lane == k, x, 0), axis=0, keep_dims=True)
 
 
 @triton.jit
