@@ -1,6 +1,10 @@
 """Test configuration: which tier runs, Triton's interpreter on CPU-only machines, hypothesis."""
 
 import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,3 +59,47 @@ def deterministic_algorithms():
     torch.use_deterministic_algorithms(True)
     yield
     torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+
+
+# The sm_90 compile check (tests/test_kernels_compile.py) compiles about a thousand kernels in a
+# subprocess: half of the CPU tier's time, on one core. Started as soon as the tests are chosen,
+# it runs beside the others on another core, and its test waits for it. Not in pytest-xdist's
+# workers (each would start its own), nor on a one-core machine.
+COMPILE_CHECK_TEST = "test_kernels_compile.py::test_kernels_compile_for_hopper"
+_early_compile_check = pytest.StashKey[tuple]()
+
+
+def compile_check_process() -> tuple[subprocess.Popen, tempfile.TemporaryFile]:
+    """scripts/compile_check.py running in a subprocess (TRITON_INTERPRET unset: it compiles),
+    and the file its output goes to."""
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    output = tempfile.TemporaryFile(mode="w+")
+    process = subprocess.Popen(
+        [sys.executable, str(root / "scripts" / "compile_check.py")], env=env, stdout=output, stderr=subprocess.STDOUT
+    )
+    return process, output
+
+
+@pytest.hookimpl(trylast=True)  # after --deselect and -k have chosen
+def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput") or (os.cpu_count() or 1) < 2:
+        return
+    if any(item.nodeid.endswith(COMPILE_CHECK_TEST) for item in items):
+        config.stash[_early_compile_check] = compile_check_process()
+
+
+def pytest_unconfigure(config):
+    """A compile check whose test never ran (-x, an interrupt) does not outlive the session."""
+    process, _ = config.stash.get(_early_compile_check, (None, None))
+    if process is not None and process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+@pytest.fixture
+def compile_check(request) -> tuple[subprocess.Popen, tempfile.TemporaryFile]:
+    """The compile check's process and output file: the one started with the session, else a new one."""
+    early = request.config.stash.get(_early_compile_check, None)
+    return early if early is not None else compile_check_process()

@@ -4,27 +4,20 @@ are interpreted and cannot be compiled). Triton's compiler has crashed on tile s
 release and not another; CI installs the oldest triton the test group declares (3.6.0), the
 release the GPU tier ran on."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import torch
 import torch._dynamo.testing
 
 from msda.kernels import launch
 
-ROOT = Path(__file__).resolve().parent.parent
 
-
-def test_kernels_compile_for_hopper():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "compile_check.py")], env=env, capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "kernels compiled for sm_90" in result.stdout
+def test_kernels_compile_for_hopper(compile_check):
+    """(The check runs from the session's start where it can: tests/conftest.py.)"""
+    process, output = compile_check
+    returncode = process.wait()
+    output.seek(0)
+    text = output.read()
+    assert returncode == 0, text[-8000:]
+    assert "kernels compiled for sm_90" in text
 
 
 def test_a_whole_row_per_load_instruction():
@@ -48,7 +41,6 @@ def test_programs_fit_the_thread_limit():
                     c = config.constexprs(head_dim, element_size, points)
                     threads = c["BLOCK_Q"] * c["GROUPS"] * max(1, c["CHUNK"] // max(1, 16 // element_size))
                     assert c["num_warps"] * 32 <= 512 and threads <= 512, (head_dim, element_size, points, c)
-
 
 
 class _EncoderRule(torch.nn.Module):
