@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from .deterministic import rank_as_float
-from .sampling import finite_or_nan, from_lane, level_ok, place_sample, softmax_stats
+from .sampling import finite_or_nan, from_lane, level_ok, place_sample, placed_corner_rows, softmax_stats
 
 
 # Sizes and strides vary with the image: not specialized (see forward.py).
@@ -125,15 +125,9 @@ def msda_backward_kernel(
             attn = finite_or_nan(tl.load(attn_ptr + param, mask=ok, other=0.0).to(tl.float32))
             x = tl.load(loc_ptr + 2 * param, mask=ok, other=0.0)
             y = tl.load(loc_ptr + 2 * param + 1, mask=ok, other=0.0)
-            usable = level_ok(h, w, start, num_values)
-            x0, y0, fx, fy, left, right, top, bottom = place_sample(x, y, h, w, usable, ok, tl.float32)
-            row = (b * num_values + start + y0 * w + x0) * NUM_HEADS + m  # the top-left corner's
-            below = row + w * NUM_HEADS
-            corners = (left & top).to(tl.int32) | ((right & top).to(tl.int32) << 1)
-            corners |= ((left & bottom).to(tl.int32) << 2) | ((right & bottom).to(tl.int32) << 3)
-            if PACK_CORNERS:
-                row = row * HEAD_DIM | corners
-                below = below * HEAD_DIM
+            row, below, corners, fx, fy = placed_corner_rows(
+                x, y, h, w, start, b, m, num_values, ok, NUM_HEADS, HEAD_DIM, PACK_CORNERS
+            )
             a_top = attn * (1.0 - fy)
             a_bottom = attn * fy
             # This thread's sample's corner rows dotted with grad_out, from the turn that was its own.

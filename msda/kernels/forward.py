@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .sampling import finite_or_nan, from_lane, level_ok, place_sample
+from .sampling import finite_or_nan, from_lane, level_ok, place_sample, placed_corner_rows
 
 
 @triton.jit
@@ -298,15 +298,10 @@ def _lane_placed_samples(
         attn = finite_or_nan(tl.load(attn_ptr + param, mask=ok, other=0.0).to(tl.float32))
         x = tl.load(loc_ptr + 2 * param, mask=ok, other=0.0)
         y = tl.load(loc_ptr + 2 * param + 1, mask=ok, other=0.0)
-        usable = level_ok(h, w, start, num_values)
-        x0, y0, fx, fy, left, right, top, bottom = place_sample(x, y, h, w, usable, ok, tl.float32)
-        row = (b * num_values + start + y0 * w + x0) * NUM_HEADS + m  # the top-left corner's
-        below = row + w * NUM_HEADS
-        corners = (left & top).to(tl.int32) | ((right & top).to(tl.int32) << 1)
-        corners |= ((left & bottom).to(tl.int32) << 2) | ((right & bottom).to(tl.int32) << 3)
-        if PACK_CORNERS:  # offsets in elements, or pairs (int32: the lane placement has 32-bit indices only)
-            row = row * (HEAD_DIM // ELEMENTS) | corners  # a multiple of 16: the corners ride in its four low bits
-            below = below * (HEAD_DIM // ELEMENTS)
+        # Offsets in elements, or pairs (int32: the lane placement has 32-bit indices only).
+        row, below, corners, fx, fy = placed_corner_rows(
+            x, y, h, w, start, b, m, num_values, ok, NUM_HEADS, HEAD_DIM // ELEMENTS, PACK_CORNERS
+        )
         attn_top = attn * (1.0 - fy)
         attn_bottom = attn * fy
         # A loop, LANE_UNROLL sub-steps a turn: fully unrolled, the first call took over 5 s

@@ -71,6 +71,30 @@ def place_sample(x, y, h, w, level_ok, mask, COMPUTE: tl.constexpr):
 
 
 @triton.jit
+def placed_corner_rows(
+    x, y, h, w, start, b, m, num_values, ok, NUM_HEADS: tl.constexpr, ROW_ELEMENTS: tl.constexpr,
+    PACK_CORNERS: tl.constexpr,
+):  # fmt: skip
+    """A sample as the lane placement passes it round its row: (row, below, corners, fx, fy).
+    row is the top-left corner's value row (its index in (B, S, M) rows) and below the row under
+    it; corners has bits 1, 2, 4 and 8 set where the top-left, top-right, bottom-left and
+    bottom-right corners are inside (none where the sample misses or is not `ok`). With
+    PACK_CORNERS row and below are offsets in ROW_ELEMENTS-wide rows, a multiple of 16, and
+    corners rides in row's four low bits: one number less to pass."""
+    x0, y0, fx, fy, left, right, top, bottom = place_sample(
+        x, y, h, w, level_ok(h, w, start, num_values), ok, tl.float32
+    )
+    row = (b * num_values + start + y0 * w + x0) * NUM_HEADS + m
+    below = row + w * NUM_HEADS
+    corners = (left & top).to(tl.int32) | ((right & top).to(tl.int32) << 1)
+    corners |= ((left & bottom).to(tl.int32) << 2) | ((right & bottom).to(tl.int32) << 3)
+    if PACK_CORNERS:
+        row = row * ROW_ELEMENTS | corners
+        below = below * ROW_ELEMENTS
+    return row, below, corners, fx, fy
+
+
+@triton.jit
 def from_lane(x, k, lane, SEGMENT: tl.constexpr, SHUFFLE: tl.constexpr):
     """Each thread's copy of `x` as held by lane k of its row: `x` is [SEGMENT, GROUPS, BLOCK_Q, 1],
     axis 0 laid over SEGMENT consecutive threads (the threads that read one value row) and `lane`
