@@ -34,6 +34,13 @@ timing it, for Nsight Compute's counters (bench/NOTES.md entry 26 read these):
         --section Occupancy --section SchedulerStats \
         --metrics smsp__inst_executed.sum,lts__t_sectors_srcunit_tex.sum,l1tex__t_sector_hit_rate.pct \
         python -m bench.tune --ncu --kernels fwd --presets encoder --dtypes float32 --forward 16,2,0,0,1
+
+ncu flushes the caches before each replay of a kernel unless told not to. For a backward as it
+runs, straight after its fill of grad_value (what the L2 then holds is most of the story), add
+`--cache-control none`: the first replay pass sees that L2, later ones what the kernel left
+(bench/NOTES.md entry 58 read the float32 decoder's that way, with the counters
+lts__t_sectors_srcunit_tex_op_red.sum, lts__t_sector_op_read_hit_rate.pct,
+lts__t_sector_op_red_hit_rate.pct, dram__bytes_read.sum and the SchedulerStats section).
 """
 
 from __future__ import annotations
