@@ -444,9 +444,10 @@ def test_shared_tile_rule(monkeypatch):
 
 
 def test_value_eviction_rule(monkeypatch):
-    """The backward's value gathers take an evict-first hint on Hopper for a half-precision
-    grad_value when the queries are not every pixel (a decoder), and none otherwise; with the
-    hint the kernel gives the same bits (a hint changes no arithmetic)."""
+    """The backward's value gathers take an evict-first hint on Hopper for a half-precision or
+    float32 grad_value when the queries are not every pixel (a decoder), and none otherwise (an
+    encoder, an 8-byte accumulator, another GPU); with the hint the kernel gives the same bits (a
+    hint changes no arithmetic)."""
     monkeypatch.setattr(launch, "register_target", lambda device: True)
     inputs = make_inputs(SHAPE, torch.float16, DEVICE, outside_fraction=0.25, seed=84)
     grad_output = random_like_output(inputs)
@@ -458,9 +459,9 @@ def test_value_eviction_rule(monkeypatch):
         grads = (torch.empty(0, dtype=accumulator), torch.empty(0), torch.empty(0))
         return launch.backward_call(grad_output, value, shapes, starts, loc, attn, *grads)[2]["VALUE_EVICTION"]
 
-    hints = [hint(inputs, dtype) for dtype in (torch.float16, torch.bfloat16, torch.float32)]
-    assert hints == ["evict_first", "evict_first", ""]
-    assert hint(encoder, torch.float16) == ""
+    hints = [hint(inputs, dtype) for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)]
+    assert hints == ["evict_first", "evict_first", "evict_first", ""]
+    assert hint(encoder, torch.float16) == "" and hint(encoder, torch.float32) == ""
     monkeypatch.setattr(launch, "register_target", lambda device: False)
     assert hint(inputs, torch.float16) == ""
     sums = []

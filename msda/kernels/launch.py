@@ -498,14 +498,15 @@ def _backward_constexprs(
 
 def value_rows_evicted_first(grad_value: Tensor, num_queries, num_values) -> bool:
     """Whether the backward's value gathers carry an evict-first hint, so that the L2 keeps the
-    grad_value rows they add into: where a half-precision grad_value (45 MB at the decoder
-    preset) and the value would just overflow the L2 together, and each value row is gathered
-    about once (a decoder: Q * L * K * 4 / S = 0.9 corners a row at the preset; an encoder's 64
-    reuse theirs from the L2). On the H200 the half decoders ran 38.4-39.1 us against
-    40.1-40.3, the float32 one (91 MB, never resident) even, the encoders 1.5-5% slower
-    (bench/NOTES.md entry 36). Measured on Hopper only (`register_target`)."""
+    grad_value rows they add into: at a decoder, whose value rows are each gathered about once
+    (Q * L * K * 4 / S = 0.9 corners a row at the preset; an encoder's 64 reuse theirs from the
+    L2), with a half-precision or float32 grad_value. On the H200 the half decoders ran
+    38.4-39.1 us against 40.1-40.3 (bench/NOTES.md entry 36), the float32 one, since the lane
+    placement, 59.6-59.7 against 60.4-61.7 (56.5-56.7 against 57.5-58.5 `local`, entry 59; even
+    with entry 36's kernel); the encoders 1.5-5% slower. Measured on Hopper only
+    (`register_target`)."""
     return (
-        grad_value.element_size() == 2
+        grad_value.element_size() in (2, 4)
         and register_target(grad_value.device)
         and not every_pixel_a_query(num_queries, num_values)
     )
