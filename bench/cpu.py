@@ -44,7 +44,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 from torch import Tensor
@@ -52,31 +51,13 @@ from torch import Tensor
 import msda
 from msda.testing import TOLERANCE, Inputs, Shape, make_inputs, reference_with_grads, relative_error
 
+from .variants import grid_sample_msda
+
 HEADS, HEAD_DIM, POINTS, DECODER_QUERIES = 8, 32, 4, 300
 PASSES = ("forward", "forward+backward")
 VARIANTS = ("msda", "grid_sample", "msda compiled", "grid_sample compiled")
 GRADIENTS = ("out", "∂value", "∂loc", "∂attn")
 BOUND = TOLERANCE[torch.float32]
-
-
-def grid_sample_msda(
-    value: Tensor, spatial_shapes: list[tuple[int, int]], sampling_locations: Tensor, attention_weights: Tensor
-) -> Tensor:
-    """MSDA as Deformable DETR, mmcv (multi_scale_deformable_attn_pytorch) and Hugging Face write
-    it without the extension: F.grid_sample per level (bilinear, zero padding, align_corners=False)
-    at grid 2 * loc - 1, then the weighted sum."""
-    B, _, M, D = value.shape
-    _, Q, _, L, K, _ = sampling_locations.shape
-    value_list = value.split([h * w for h, w in spatial_shapes], dim=1)
-    sampling_grids = 2 * sampling_locations - 1
-    sampled = []
-    for level, (h, w) in enumerate(spatial_shapes):
-        value_l = value_list[level].flatten(2).transpose(1, 2).reshape(B * M, D, h, w)
-        grid_l = sampling_grids[:, :, :, level].transpose(1, 2).flatten(0, 1)
-        sampled.append(F.grid_sample(value_l, grid_l, mode="bilinear", padding_mode="zeros", align_corners=False))
-    weights = attention_weights.transpose(1, 2).reshape(B * M, 1, Q, L * K)
-    output = (torch.stack(sampled, dim=-2).flatten(-2) * weights).sum(-1).view(B, M * D, Q)
-    return output.transpose(1, 2).contiguous()
 
 
 def msda_fn(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
