@@ -196,16 +196,19 @@ def launch_backward(
             grad_value, grad_loc, grad_attn, softmax=softmax, scratch=scratch, fixed_point_scale=fixed_point_scale,
             replicas=replicas, lists=lists, shared_tile=shared_tile,
         )  # fmt: skip
+        # Each launch first waits for the compile the forward began (launch.compile_backward_ahead), if any.
+        ahead.wait(msda_backward_kernel)
         _launch(_backward_kernel, grid, args, constexprs, value.device)
         if replicas is not None:
             grid, args, constexprs = launch.fold_call(grad_value, replicas, spatial_shapes, level_start_index, Q, K)
+            ahead.wait(msda_fold_replicas_kernel)
             _launch(_fold_kernel, grid, args, constexprs, value.device)
         if shared_tile:
             grid, args, constexprs = launch.shared_tile_call(
                 grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
                 grad_value,
             )  # fmt: skip
-            ahead.wait(launch.msda_shared_tile_kernel)  # compile_shared_tile_ahead's compile, if the forward began one
+            ahead.wait(launch.msda_shared_tile_kernel)
             _launch(_shared_tile_kernel, grid, args, constexprs, value.device)
     if grad_value is None:  # the deterministic mode's lists (ops._launch_backward has the same)
         if grad_attn.numel() == 0:
@@ -274,7 +277,7 @@ class _Function(torch.autograd.Function):
         ctx.save_for_backward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
         ctx.softmax = softmax
         if not softmax:
-            launch.compile_shared_tile_ahead(
+            launch.compile_backward_ahead(
                 value, spatial_shapes, level_start_index, sampling_locations, attention_weights
             )
         return launch_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax)

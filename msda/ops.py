@@ -200,10 +200,13 @@ def _launch_backward(
             shared_tile=shared_tile,
         )
         with _on_device(value.device):
+            # Each launch first waits for the compile the forward began (launch.compile_backward_ahead), if any.
+            ahead.wait(msda_backward_kernel)
             kernel, kwargs = launch.traceable(msda_backward_kernel, constexprs)
             wrap_triton(kernel)[grid](*args, **kwargs)
             if replicas is not None:
                 grid, args, constexprs = launch.fold_call(grad_value, replicas, spatial_shapes, level_start_index, Q, K)
+                ahead.wait(msda_fold_replicas_kernel)
                 wrap_triton(msda_fold_replicas_kernel)[grid](*args, **constexprs)
         if shared_tile:
             tile_args = (grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
@@ -231,7 +234,7 @@ def _launch_shared_tile(
     grid, args, constexprs = launch.shared_tile_call(
         grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_value
     )
-    ahead.wait(launch.msda_shared_tile_kernel)  # compile_shared_tile_ahead's compile, if one began
+    ahead.wait(launch.msda_shared_tile_kernel)  # launch.compile_backward_ahead's compile, if one began
     with _on_device(value.device):
         launch.msda_shared_tile_kernel[grid](*args, **constexprs)
 
@@ -308,8 +311,8 @@ def _setup_context(ctx, inputs, output):
 
 def _setup_forward_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
-    if HAS_TRITON:  # the shared tile's kernel, if the backward will take it (never while tracing)
-        launch.compile_shared_tile_ahead(*inputs)
+    if HAS_TRITON:  # the backward's kernels, compiled in a thread (never while tracing)
+        launch.compile_backward_ahead(*inputs)
 
 
 def _backward_rule(ctx, grad_output):

@@ -1,6 +1,6 @@
 """Time the first forward + backward call of a process (Triton compiles included) for one (L, K).
 
-    python scripts/first_call.py L K [--dtype float32] [--head-dim 32] [--encoder] [--tile-at-launch]
+    python scripts/first_call.py L K [--dtype float32] [--head-dim 32] [--encoder] [--at-launch]
         [--forward-tile Q,G,T,...]
 
 Run it with an empty Triton cache (TRITON_CACHE_DIR pointing at a new directory) so the kernels
@@ -9,8 +9,9 @@ and since the interpreter started.
 bench/NOTES.md (entries 16 and 26) has the numbers; the bound a first call must stay under is 5 s.
 300 queries by default (a decoder's rules); --encoder makes every pixel a query (an encoder's
 rules, and on a Hopper GPU in float32 at head_dim 32 and 4 points the shared tile's Gluon kernel).
---tile-at-launch leaves the shared tile's compile to the backward's launch (as before bench/NOTES.md
-entry 51: no compile begun by the forward, launch.compile_shared_tile_ahead).
+--at-launch leaves the backward's compiles to its launches (launch.COMPILE_AHEAD off: no compile
+begun by the forward, launch.compile_backward_ahead; as before bench/NOTES.md entry 63, and entry
+51 for the shared tile).
 --forward-tile launches the forward at those settings instead of the rule's (the fields of
 msda.kernels.launch.TileConfig, as bench.tune takes them): to weigh a candidate rule's compile time.
 The host's timings move by a third between processes: alternate the candidates in one session.
@@ -38,7 +39,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--encoder", action="store_true", help="every pixel a query (Q = S) instead of 300")
-    parser.add_argument("--tile-at-launch", action="store_true", help="no shared-tile compile begun by the forward")
+    parser.add_argument("--at-launch", action="store_true", help="no backward compile begun by the forward")
     parser.add_argument("--forward-tile", metavar="Q,G,T[,...]", help="TileConfig fields for the forward")
     opts = parser.parse_args()
     if opts.forward_tile:
@@ -46,10 +47,10 @@ def main() -> None:
 
         tile = launch.TileConfig(*(int(n) for n in opts.forward_tile.split(",")))
         launch.forward_config = lambda *args: tile
-    if opts.tile_at_launch:
+    if opts.at_launch:
         from msda.kernels import launch
 
-        launch.compile_shared_tile_ahead = lambda *args: None
+        launch.COMPILE_AHEAD = False
     sizes = [(64, 64), (32, 32), (16, 16), (8, 8), (4, 4), (2, 2), (1, 1), (1, 1)]
     levels = tuple(sizes[: opts.levels])
     queries = sum(h * w for h, w in levels) if opts.encoder else 300
@@ -66,7 +67,7 @@ def main() -> None:
         torch.cuda.synchronize()
         times.append((middle - start, time.perf_counter() - middle))
     (forward, backward), second = times[0], sum(times[1])
-    rule = (opts.forward_tile or "rule") + " tile-at-launch" * opts.tile_at_launch
+    rule = (opts.forward_tile or "rule") + " at-launch" * opts.at_launch
     print(f"L={opts.levels} K={opts.points} {opts.dtype} Q={queries} {rule}: "
           f"first forward+backward {forward + backward:.2f} s (forward {forward:.2f}, backward {backward:.2f}), "
           f"second {second * 1e3:.1f} ms, since start {time.perf_counter() - START:.1f} s")  # fmt: skip

@@ -499,3 +499,30 @@ def test_register_target(monkeypatch, dtype):
     check_tile_with_levels_summed(monkeypatch, tile, inputs, "LANE_PLACEMENT")
     # On CPU tensors the operator launched the forward; on a GPU the eager fast path does, with keywords.
     assert launched[:1] == ([True] if DEVICE == "cpu" else [])
+
+
+@pytest.mark.parametrize("shape, dtype", [(SHAPE, torch.float32), (DENSE, torch.float16), (SHAPE, torch.bfloat16)])
+def test_backward_compiled_ahead_with_the_backwards_settings(monkeypatch, shape, dtype):
+    """launch.backward_launches, the launches a forward compiles ahead (launch.compile_backward_ahead),
+    has the settings, argument dtypes and integers of the backward's own launches: a compile
+    under any other key would be wasted (tests/gpu/test_gpu_compile_ahead.py checks the keys).
+    The inputs' device passes for a Hopper GPU and no other does (its buffers there are meta
+    tensors): a rule that asked a buffer's device would differ."""
+    real = torch.device(DEVICE).type
+    monkeypatch.setattr(launch, "register_target", lambda device: device.type == real)
+    inputs = make_inputs(shape, dtype, DEVICE, seed=33)
+    grad_output = random_like_output(inputs)
+    ahead = launch.backward_launches(*inputs.args())
+    made = []
+    for name in ("backward_call", "fold_call"):
+        def recorded(*args, _call=getattr(launch, name), **kwargs):
+            made.append(_call(*args, **kwargs))
+            return made[-1]
+        monkeypatch.setattr(launch, name, recorded)
+    torch.ops.msda.backward(grad_output, *inputs.args())
+
+    def key(args, constexprs):
+        return [a if type(a) is int else a.dtype for a in args], constexprs
+
+    assert len(made) == len(ahead) >= 1
+    assert [key(args, constexprs) for _, args, constexprs in made] == [key(*launch[1:]) for launch in ahead]

@@ -22,7 +22,13 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import ahead
-from .backward import FIXED_POINT_BITS, msda_backward_kernel
+from .backward import (
+    FIXED_POINT_BITS,
+    grad_value_accumulator_dtype,
+    msda_backward_kernel,
+    msda_fold_replicas_kernel,
+    replica_rows,
+)
 from .deterministic import (
     msda_fixed_point_scale_kernel,
     msda_gather_grad_value_kernel,
@@ -416,7 +422,7 @@ def backward_call(
         needs_int64(value, sampling_locations, grad_output, *([] if lists is None else lists)),
         level_start_index is not None, softmax, fixed_point_scale is not None and not summed_by_lists,
         replicas is not None, 0 if summed_by_lists else grad_value.element_size(),
-        not summed_by_lists and value_rows_evicted_first(grad_value, Q, S),
+        not summed_by_lists and value_rows_evicted_first(grad_value, value.device, Q, S),
         0 if lists is None else list_rule(Q, S, value).count_stride,
         SHARED_TILE_PIXELS if shared_tile else 0,
         config or (LIST_BACKWARD if summed_by_lists else None) or backward_config,
@@ -496,7 +502,7 @@ def _backward_constexprs(
     return constexprs
 
 
-def value_rows_evicted_first(grad_value: Tensor, num_queries, num_values) -> bool:
+def value_rows_evicted_first(grad_value: Tensor, device: torch.device, num_queries, num_values) -> bool:
     """Whether the backward's value gathers carry an evict-first hint, so that the L2 keeps the
     grad_value rows they add into: at a decoder, whose value rows are each gathered about once
     (Q * L * K * 4 / S = 0.9 corners a row at the preset; an encoder's 64 reuse theirs from the
@@ -504,10 +510,11 @@ def value_rows_evicted_first(grad_value: Tensor, num_queries, num_values) -> boo
     38.4-39.1 us against 40.1-40.3 (bench/NOTES.md entry 36), the float32 one, since the lane
     placement, 59.6-59.7 against 60.4-61.7 (56.5-56.7 against 57.5-58.5 `local`, entry 59; even
     with entry 36's kernel); the encoders 1.5-5% slower. Measured on Hopper only
-    (`register_target`)."""
+    (`register_target` of the inputs' device: grad_value may be a meta tensor, as
+    `backward_launches` makes it)."""
     return (
         grad_value.element_size() in (2, 4)
-        and register_target(grad_value.device)
+        and register_target(device)
         and not every_pixel_a_query(num_queries, num_values)
     )
 
@@ -552,27 +559,81 @@ def _shared_tile_shape(value: Tensor, sampling_locations: Tensor) -> bool:
     )
 
 
-def compile_shared_tile_ahead(
+# Whether a forward whose backward will run compiles that backward's kernels in a thread
+# (`compile_backward_ahead`); scripts/first_call.py turns it off to measure what it saves.
+COMPILE_AHEAD = True
+_AHEAD_CALLS: set[tuple] = set()  # the calls (shapes, dtypes) whose backward `compile_backward_ahead` began
+
+
+def compile_backward_ahead(
     value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor | None, sampling_locations: Tensor,
     attention_weights: Tensor,
 ) -> None:  # fmt: skip
-    """From a forward whose backward will run: start compiling the shared tile's kernel if the
-    backward will take it (kernels/ahead.py; its first launch adds over a second to a float32
-    encoder's first backward, NOTES entry 51). Its key as the backward's launch will have it
-    (a contiguous grad_output: autograd's, unless a sum's expanded one, which compiles again)."""
-    if (
-        type(value) is torch.Tensor  # not traced: a thread is for a call that runs now
-        and _shared_tile_shape(value, sampling_locations)
-        and not torch.are_deterministic_algorithms_enabled()  # the fixed point's: no tile
+    """From a forward whose backward will run: start compiling the kernels that backward will
+    launch (kernels/ahead.py), so that their compiles overlap the forward's own and whatever runs
+    before the backward: the backward kernel (a second or two of a first forward + backward on
+    an H200 host, bench/NOTES.md entries 27 and 63), the replicas' fold where it takes replicas,
+    and the shared tile's kernel where it takes the tile (over a second, entry 51). Each under
+    the key its launch will compute, for a contiguous grad_output (autograd's, unless a sum's
+    expanded one: that launch compiles again). Not while tracing (a thread is for a call that
+    runs now) or capturing a graph, and not in the deterministic mode (its lists' kernels)."""
+    if not (
+        COMPILE_AHEAD
+        and type(value) is torch.Tensor
+        and value.is_cuda
+        and attention_weights.numel() > 0
+        and not torch.are_deterministic_algorithms_enabled()
+        and os.environ.get("TRITON_INTERPRET") != "1"
         and not torch.cuda.is_current_stream_capturing()
-        and not needs_int64(value, sampling_locations)
     ):
-        B, S, M, D = value.shape
-        grad_output = torch.empty_strided((B, S, M * D), (S * M * D, M * D, 1), device="meta")
-        _, args, constexprs = shared_tile_call(
-            grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, value
-        )
-        ahead.start(msda_shared_tile_kernel, args, constexprs, value.device)
+        return
+    # Once a process for each call's shapes and dtypes: building the launches' arguments costs an
+    # eager call more than this look-up (ahead.start keeps one compile a key as well).
+    call = (
+        value.device.index, value.dtype, value.shape, sampling_locations.dtype, sampling_locations.shape,
+        attention_weights.dtype, level_start_index is None,
+    )  # fmt: skip
+    if call in _AHEAD_CALLS:
+        return
+    _AHEAD_CALLS.add(call)
+    for kernel, args, constexprs in backward_launches(
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights
+    ):
+        ahead.start(kernel, args, constexprs, value.device)
+
+
+def backward_launches(
+    value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor | None, sampling_locations: Tensor,
+    attention_weights: Tensor,
+) -> list[tuple]:  # fmt: skip
+    """(kernel, positional arguments, constexpr arguments) of each launch of the default (atomic)
+    backward of a call on these tensors, with a contiguous grad_output: as the backward computes
+    them (eager.launch_backward, ops._launch_backward), its buffers as meta tensors."""
+    B, S, M, D = value.shape
+    _, Q, _, L, K, _ = sampling_locations.shape
+    grad_output = torch.empty_strided((B, Q, M * D), (Q * M * D, M * D, 1), dtype=value.dtype, device="meta")
+    dtype = grad_value_accumulator_dtype(value, Q, L, K)
+    grad_value = torch.empty(value.shape, dtype=dtype, device="meta")
+    rows = replica_rows(dtype, Q, S, L, K)
+    replicas = None if rows is None else torch.empty((B, rows, M, D), dtype=dtype, device="meta")
+    grad_loc = torch.empty(sampling_locations.shape, dtype=sampling_locations.dtype, device="meta")
+    grad_attn = torch.empty(attention_weights.shape, dtype=attention_weights.dtype, device="meta")
+    shared_tile = shared_tile_applies(
+        value, sampling_locations, grad_output, grad_value, softmax=False, fixed_point=False,
+        replicas=replicas is not None,
+    )  # fmt: skip
+    inputs = (value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    _, args, constexprs = backward_call(
+        grad_output, *inputs, grad_value, grad_loc, grad_attn, replicas=replicas, shared_tile=shared_tile
+    )
+    launches = [(msda_backward_kernel, args, constexprs)]
+    if replicas is not None:
+        _, args, constexprs = fold_call(grad_value, replicas, spatial_shapes, level_start_index, Q, K)
+        launches.append((msda_fold_replicas_kernel, args, constexprs))
+    if shared_tile:
+        _, args, constexprs = shared_tile_call(grad_output, *inputs, grad_value)
+        launches.append((msda_shared_tile_kernel, args, constexprs))
+    return launches
 
 
 def shared_tile_call(

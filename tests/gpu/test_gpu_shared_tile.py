@@ -109,10 +109,11 @@ def test_compiled(dynamic):
 @pytest.mark.parametrize("route", ["fast-path", "operator"])
 def test_compiled_ahead_by_the_forward(route, monkeypatch):
     """A forward whose backward takes the tile compiles the tile kernel in a thread
-    (launch.compile_shared_tile_ahead) under the key the backward's launch looks up: the launch
+    (launch.compile_backward_ahead) under the key the backward's launch looks up: the launch
     compiles nothing more."""
     kernel = launch.msda_shared_tile_kernel
     monkeypatch.setattr(ahead, "_started", set())  # as in a new process: nothing compiled yet
+    monkeypatch.setattr(launch, "_AHEAD_CALLS", set())
     monkeypatch.setattr(eager._shared_tile_kernel, "compiled", {})
     kernel.device_caches.clear()
     inputs = encoder(ENCODER_LEVELS, seed=93, outside_fraction=0.25)
