@@ -3,8 +3,12 @@
 `kernel[grid](*args)` binds every argument, computes its specialization key and looks the key up
 on each call: tens of microseconds of Python for a kernel that runs for ten at the decoder preset.
 The eager fast path (msda/eager.py) knows the key already (the launch settings, the dtypes and
-the device), so it keeps each compiled kernel under that key and launches it through
-`CompiledKernel[grid](..., stream=...)`.
+the device), so it keeps each compiled kernel under that key and calls Triton's C launcher for
+it directly. `CompiledKernel[grid](..., stream=...)`, the public route, adds per launch a closure,
+the launch metadata for the launch hooks (a dict, made even while no hook is set: the hooks are
+chains, never None), calls of both hook chains and the scratch allocators (bench/NOTES.md entry
+64). Where the compiled kernel's launcher is not the one this was written for (another Triton
+release, a kernel with scratch memory), launches take that route.
 
 The key holds all that the compiled code depends on because the kernels specialize on nothing
 else: their integer arguments are `do_not_specialize` (so 32-bit while below 2**31), and their
@@ -27,7 +31,8 @@ from triton import knobs
 class DirectLauncher:
     def __init__(self, kernel):
         self.kernel = kernel
-        self.compiled: dict[tuple, tuple] = {}  # key -> (CompiledKernel, constexpr values in signature order)
+        # key -> (C launch function, its arguments before the stream's, after it, constexpr values in signature order)
+        self.compiled: dict[tuple, tuple] = {}
 
     def __call__(self, grid: tuple[int], args: tuple, constexprs: dict, device: torch.device) -> None:
         """Launch on `device`'s current stream. `args` are the kernel's positional arguments,
@@ -37,20 +42,49 @@ class DirectLauncher:
         if entry is not None and not _hooked():
             plain = _plain(args)
             if plain is not None:
-                compiled, tail = entry
-                grid = (*grid, 1, 1)[:3]
-                compiled[grid](*plain, *tail, stream=torch._C._cuda_getCurrentRawStream(device.index))
+                launch, kernel_args, tail = entry
+                grid = (*grid, 1, 1)
+                launch(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device.index), *kernel_args,
+                       *plain, *tail)  # fmt: skip
                 return
         compiled = self.kernel[grid](*args, **constexprs)
         if entry is None and compiled is not None and _plain(args) is not None:
             names = self.kernel.arg_names[len(args) :]
-            self.compiled[key] = (compiled, tuple(constexprs[name] for name in names))
+            self.compiled[key] = (*_c_launch(compiled), tuple(constexprs[name] for name in names))
+
+
+def _c_launch(compiled) -> tuple:
+    """(launch, arguments): `launch(gridX, gridY, gridZ, stream, *arguments, *kernel_arguments)`
+    runs `compiled` without a launch hook. Triton 3.x's CUDA launcher (triton/backends/nvidia/
+    driver.py) where the kernel needs no scratch memory; else `compiled[grid]`, the public route."""
+    launcher = compiled.run  # loads the kernel and builds the launcher, once
+    if (
+        type(launcher).__name__ == "CudaLauncher"
+        and getattr(launcher, "global_scratch_size", None) == 0
+        and getattr(launcher, "profile_scratch_size", None) == 0
+        and hasattr(launcher, "launch_pdl")
+        and hasattr(compiled, "packed_metadata")
+    ):
+        # The C function's arguments after the stream: the function, cooperative grid, PDL,
+        # global and profile scratch, the kernel's metadata, the launch metadata, enter and exit hooks.
+        return launcher.launch, (
+            compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
+            compiled.packed_metadata, None, None, None,
+        )  # fmt: skip
+
+    def launch(grid_x, grid_y, grid_z, stream, *kernel_args):
+        compiled[(grid_x, grid_y, grid_z)](*kernel_args, stream=stream)
+
+    return launch, ()
 
 
 def _hooked() -> bool:
-    """Whether a launch hook is set (a profiler's, such as proton's): the JIT path calls it."""
-    hook = knobs.runtime.launch_enter_hook
-    return hook is not None and getattr(hook, "calls", True) != []
+    """Whether a launch hook is set (a profiler's, such as proton's): the JIT path calls it.
+    Triton's hooks are chains (knobs.HookChain), set when they hold a call."""
+    return any(
+        hook is not None and getattr(hook, "calls", True) != []
+        for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    )
 
 
 def _plain(args: tuple) -> list[int] | None:

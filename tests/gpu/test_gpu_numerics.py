@@ -6,6 +6,8 @@ from unittest import mock
 
 import pytest
 import torch
+from triton import knobs
+from triton.compiler.compiler import CompiledKernel
 
 import msda
 from msda import ops, torch_impl
@@ -162,3 +164,44 @@ def test_eager_calls_on_misaligned_views(dtype):
     for got in (results(*views), results(*(t.detach().clone() for t in tensors))):
         torch.testing.assert_close(got[0], aligned[0], rtol=0, atol=0)
         assert_matches_reference(inputs, got, grad_output)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).removeprefix("torch."))
+def test_eager_launches_call_tritons_c_launcher(dtype):
+    """Past a key's first call, eager launches call Triton's C launcher directly, not through
+    `CompiledKernel[grid]` (msda/kernels/direct.py): a Triton release whose launcher differs
+    fails here rather than quietly costing the slower route. Outputs are the same bits."""
+    inputs = make_inputs(PRESETS["decoder"], dtype, "cuda", seed=13)
+    grad_output = random_like_output(inputs)
+    first = forward_backward(inputs, grad_output)  # compiles, through the JIT
+    public_route = mock.patch.object(
+        CompiledKernel, "__getitem__", autospec=True, side_effect=CompiledKernel.__getitem__
+    )
+    with public_route as public:
+        again = forward_backward(inputs, grad_output)
+    assert public.call_count == 0
+    assert torch.equal(again[0], first[0])
+    assert_matches_reference(inputs, again, grad_output)
+
+
+def test_eager_launches_call_a_set_launch_hook():
+    """A launch hook (a profiler's, such as proton's) is called for every eager launch: with one
+    set, launches take Triton's JIT path, which calls it; the output is the same bits."""
+    inputs = make_inputs(PRESETS["decoder"], torch.float32, "cuda", seed=14)
+    args = (inputs.value, inputs.spatial_shapes, inputs.level_start_index, inputs.sampling_locations,
+            inputs.attention_weights)  # fmt: skip
+    plain = msda.multi_scale_deformable_attention(*args)  # compiled, then cached for the direct launch
+    launches = []
+
+    def hook(metadata):
+        launches.append(metadata)
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        hooked = msda.multi_scale_deformable_attention(*args)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(launches) == 1
+    assert torch.equal(hooked, plain)
+    msda.multi_scale_deformable_attention(*args)
+    assert len(launches) == 1
