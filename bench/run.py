@@ -42,6 +42,7 @@ from .variants import DTYPES, PRESETS, RESULT_NAMES, Case, Cell, Unavailable, Va
 PROFILE_SECONDS, PROFILER_REPEATS, GRAPH_REPLAYS = 0.02, 5, 10
 E2E_SECONDS, E2E_REPEATS = 0.05, 5
 CPU_MIN_RUN_TIME = {"smoke": 0.1}  # seconds per torch.utils.benchmark measurement; 0.5 otherwise
+CPU_TURNS = 3  # forward and forward+backward measured in turns where the backward is their difference
 TRACE_STEPS = 3
 
 
@@ -235,11 +236,11 @@ def _time_cuda(case: Case, rows: dict[str, dict]) -> None:
             case.release()  # no autograd node made on the default stream left for the capture to meet
             calls, _ = _counts(case.step)
             step = _guarded(bwd, "graph", lambda: graph_device_time(case.step, calls, GRAPH_REPLAYS))
-            backward["graph"] = _minus(step, forward["graph"])
+            backward["graph"] = _minus(bwd, "graph", step, forward["graph"])
             bwd["notes"].append("graph: (forward+backward) - forward")
     else:
         step = _cuda_columns(case.step, bwd, graph=case.capturable)
-        backward = {k: _minus(step[k], forward[k]) for k in ("profiler", "graph", "e2e")}
+        backward = {k: _minus(bwd, k, step[k], forward[k]) for k in ("profiler", "graph", "e2e")}
         backward["peak"] = step["peak"]
         bwd["notes"].append("backward = (forward+backward) - forward; peak of forward+backward")
     for row, columns in ((fwd, forward), (bwd, backward)):
@@ -268,12 +269,20 @@ def _cuda_columns(fn: Callable[[], object], row: dict, graph: bool) -> dict:
 
 def _time_cpu(case: Case, rows: dict[str, dict], threads: int, min_run_time: float) -> None:
     fwd, bwd = rows["forward"], rows["backward"]
-    forward = _guarded(fwd, "timer", lambda: cpu_time(case.forward, threads, min_run_time))
     if case.backward is not None:
+        forward = _guarded(fwd, "timer", lambda: cpu_time(case.forward, threads, min_run_time))
         backward = _guarded(bwd, "timer", lambda: cpu_time(case.backward, threads, min_run_time))
     else:
-        step = _guarded(bwd, "timer", lambda: cpu_time(case.step, threads, min_run_time))
-        backward = _minus(step, forward)
+        # The forward and the step take turns, so that a spell of load on the host weighs on
+        # both sides of the difference, not on one.
+        forward = step = Timing(samples_us=[])
+        turn_time = min_run_time / CPU_TURNS
+        for _ in range(CPU_TURNS):
+            forward = _joined(forward, _guarded(fwd, "timer", lambda: cpu_time(case.forward, threads, turn_time)))
+            step = _joined(step, _guarded(bwd, "timer", lambda: cpu_time(case.step, threads, turn_time)))
+            if forward is None or step is None:
+                break
+        backward = _minus(bwd, "timer", step, forward)
         bwd["notes"].append("backward = (forward+backward) - forward")
     fwd["e2e_us"], bwd["e2e_us"] = _stats(forward), _stats(backward)
 
@@ -304,11 +313,24 @@ def _guarded(row: dict, column: str, measure: Callable[[], object]):
         return None
 
 
-def _minus(a: Timing | None, b: Timing | None) -> Timing | None:
-    """a - b as a Timing: a's samples shifted by b's median (the spread is a's)."""
-    if a is None or b is None:
+def _minus(row: dict, column: str, a: Timing | None, b: Timing | None) -> Timing | None:
+    """a - b as a Timing: a's samples shifted by b's median (the spread is a's). None, with a note
+    in the row, where either is missing or the difference is not positive: then the two timings'
+    noise is larger than what they differ by, and no number is the backward's."""
+    if a is None or b is None or not a.samples_us or not b.samples_us:
         return None
-    return Timing(samples_us=[s - b.median_us for s in a.samples_us])
+    difference = Timing(samples_us=[s - b.median_us for s in a.samples_us])
+    if difference.median_us <= 0:
+        row["notes"].append(
+            f"{column}: (forward+backward) - forward is {difference.median_us:.1f} us: within the timings' noise"
+        )
+        return None
+    return difference
+
+
+def _joined(a: Timing | None, b: Timing | None) -> Timing | None:
+    """The samples of both, or None once either is missing (a measurement failed)."""
+    return None if a is None or b is None else Timing(samples_us=a.samples_us + b.samples_us)
 
 
 def _stats(t: Timing | None) -> dict | None:

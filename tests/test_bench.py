@@ -57,6 +57,17 @@ def test_timing_reports_median_and_interquartile_range():
     assert Timing(samples_us=[5.0]).iqr_us == 0.0
 
 
+def test_a_backward_derived_as_step_minus_forward_is_positive_or_missing():
+    """(forward+backward) - forward: published where positive; where the two timings' noise is
+    larger than their difference (a host under load), no number, and the row says why."""
+    row = {"notes": []}
+    difference = bench_run._minus(row, "timer", Timing(samples_us=[30.0, 32.0, 34.0]), Timing(samples_us=[10.0]))
+    assert difference.samples_us == [20.0, 22.0, 24.0] and row["notes"] == []
+    assert bench_run._minus(row, "timer", Timing(samples_us=[9.0, 10.0]), Timing(samples_us=[12.0])) is None
+    assert row["notes"] == ["timer: (forward+backward) - forward is -2.5 us: within the timings' noise"]
+    assert bench_run._minus(row, "e2e", None, Timing(samples_us=[1.0])) is None
+
+
 def test_memory_floor_counts_each_input_and_output_once():
     shape = SMOKE  # B=2, Q=12, M=2, D=8, levels 6x8 and 3x4 (S=60), K=2
     value, out = 2 * 60 * 2 * 8 * 4, 2 * 12 * 2 * 8 * 4
