@@ -1,10 +1,12 @@
 """The eager path's launcher (msda/kernels/direct.py) against the installed Triton, without a GPU:
 the C launch it calls directly gets what `CompiledKernel[grid]` would have passed, hooks aside;
-other launchers take the public route; a set launch hook sends launches to Triton's JIT path."""
+other launchers take the public route; a set launch hook sends launches to Triton's JIT path; a
+kernel is reused only for integers Triton would have compiled the same code for."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("triton.backends.nvidia.driver")
 from triton import knobs  # noqa: E402
@@ -65,3 +67,45 @@ def test_a_set_launch_hook_sends_launches_to_the_jit():
         finally:
             chain.remove(hook)
     assert not direct._hooked()
+
+
+class _JITKernel:
+    """A Triton JIT kernel's launch interface, `kernel[grid](*args, **constexprs)`, that records
+    its launches and returns a compiled kernel whose C launch records its own."""
+
+    arg_names = ["x_ptr", "n", "BLOCK"]
+
+    def __init__(self):
+        self.jit_launches, self.c_launches = [], []
+
+    def __getitem__(self, grid):
+        def launch(*args, **constexprs):
+            self.jit_launches.append(args)
+            return _compiled_kernel(self.c_launches)
+
+        return launch
+
+
+def test_a_kernel_is_reused_only_for_integers_of_its_specialization(monkeypatch):
+    """Triton compiles an integer argument that is 1 as a constant and one that is a multiple of
+    16 with that divisibility assumed (unless the kernel says do_not_specialize): a launch with
+    an integer of another class must not reuse the kernel compiled for the first."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    # The classes as this Triton makes them: 1 a constant, 16 and 32 alike, 17 and 33 alike.
+    assert native_specialize_impl(BaseBackend, 1, False, True, True)[0] == "constexpr"
+    assert native_specialize_impl(BaseBackend, 16, False, True, True) == ("i32", "D")
+    assert native_specialize_impl(BaseBackend, 17, False, True, True) == ("i32", "")
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: STREAM, raising=False)
+    kernel = _JITKernel()
+    launcher = direct.DirectLauncher(kernel)
+    x = torch.zeros(64)
+    assert x.data_ptr() % 16 == 0
+    jit_after = []
+    for n in (16, 32, 17, 33, 1, 1, 48):
+        launcher((2,), (x, n), {"BLOCK": 4}, torch.device("cuda", 0))
+        jit_after.append(len(kernel.jit_launches))
+    assert jit_after == [1, 1, 2, 2, 3, 3, 3]
+    # The reused launches went through the C launch, with their own n.
+    assert [args[-2] for args in kernel.c_launches] == [32, 33, 1, 48]

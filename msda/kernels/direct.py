@@ -10,11 +10,15 @@ chains, never None), calls of both hook chains and the scratch allocators (bench
 64). Where the compiled kernel's launcher is not the one this was written for (another Triton
 release, a kernel with scratch memory), launches take that route.
 
-The key holds all that the compiled code depends on because the kernels specialize on nothing
-else: their integer arguments are `do_not_specialize` (so 32-bit while below 2**31), and their
-pointers are 16-byte aligned (PyTorch allocations are). A call outside that (a misaligned view, a
-size past 2**31, a launch hook such as a profiler's) takes the JIT path instead, which is always
-correct. So does everything on the first call of a key, which compiles.
+The key holds all that Triton specializes a compiled kernel on: the device, the constexprs and
+launch options, each tensor's dtype (its pointer 16-byte aligned: PyTorch allocations are), and
+each integer as Triton classes it: 1 (compiled in as a constant), a multiple of 16 (compiled
+with that divisibility assumed), or another. The class matters where an integer argument is not
+`do_not_specialize` (the shared tile's are not): a kernel compiled at num_queries = 1 and
+launched at 5,440 would take every program for a query block of one query. A call outside that
+(a misaligned view, an integer past 2**31, a launch hook such as a profiler's) takes the JIT
+path instead, which is always correct. So does everything on the first call of a key, which
+compiles.
 
 The compiled kernel gets each tensor as its data pointer, an int: given a tensor, Triton's
 launcher calls its data_ptr() and asks the CUDA driver whether the address is a device one
@@ -37,7 +41,11 @@ class DirectLauncher:
     def __call__(self, grid: tuple[int], args: tuple, constexprs: dict, device: torch.device) -> None:
         """Launch on `device`'s current stream. `args` are the kernel's positional arguments,
         `constexprs` its constexpr arguments and launch options."""
-        key = (device.index, *(type(a) is int or a.dtype for a in args), *constexprs.values())
+        # An int's class as in triton.runtime.jit: "1", True (a multiple of 16) or False.
+        key = (
+            device.index, *(("1" if a == 1 else a % 16 == 0) if type(a) is int else a.dtype for a in args),
+            *constexprs.values(),
+        )  # fmt: skip
         entry = self.compiled.get(key)
         if entry is not None and not _hooked():
             plain = _plain(args)

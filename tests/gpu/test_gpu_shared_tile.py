@@ -77,6 +77,20 @@ def test_expanded_grad_output_and_no_level_starts():
     assert_matches_reference(inputs, forward_backward(inputs, grad_output, without_starts), grad_output)
 
 
+def test_eager_launch_after_a_one_query_call(monkeypatch):
+    """Triton compiles the tile kernel's integer arguments by value class (num_queries = 1 as a
+    constant): the eager path's cached kernel from a call with one query and one pixel must not
+    serve a later call of the same settings with 256 (msda/kernels/direct.py)."""
+    monkeypatch.setattr(eager._shared_tile_kernel, "compiled", {})
+    results = []
+    for levels, seed in [(((1, 1),), 91), (((16, 16),), 92)]:
+        inputs = encoder(levels, seed=seed)
+        grad_output = random_like_output(inputs)
+        names = kernel_names(lambda: results.append(forward_backward(inputs, grad_output)))
+        assert "msda_shared_tile_kernel" in names
+        assert_matches_reference(inputs, results[-1], grad_output)
+
+
 def test_operator_called_eagerly():
     inputs = encoder(ENCODER_LEVELS, seed=91, outside_fraction=0.25)
     grad_output = random_like_output(inputs)
