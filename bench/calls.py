@@ -65,8 +65,8 @@ def rows(shape: Shape, dtype: torch.dtype, chain: int, device: str = "cuda") -> 
         return call
 
     def step(op, level_starts=starts):
-        v, l, a = leaves
-        return lambda: torch.autograd.grad(op(v, shapes, level_starts, l, a), leaves, grad)
+        value_leaf, loc_leaf, attn_leaf = leaves
+        return lambda: torch.autograd.grad(op(value_leaf, shapes, level_starts, loc_leaf, attn_leaf), leaves, grad)
 
     # Each of the chain's calls has leaves of its own, as a model's layers do: one value shared by
     # them all would time the engine summing its gradients (a 91 MB add a call at the decoder).

@@ -73,26 +73,26 @@ def main() -> None:
     deterministic = torch.are_deterministic_algorithms_enabled()
     try:
         for preset in opts.presets:
-            shape = PRESETS[preset]
             for dist in opts.dists:
                 for dtype_name in opts.dtypes:
-                    dtype = DTYPES[dtype_name]
-                    inputs = make_inputs(shape, dtype, "cuda", dist=dist, seed=3)
-                    grad = torch.randn(shape.batch, shape.queries, shape.heads * shape.head_dim, device="cuda")
-                    grad = grad.to(dtype)
-                    for mode in ("default", "deterministic"):
-                        torch.use_deterministic_algorithms(mode == "deterministic")
-                        times = kernel_times(
-                            lambda: torch.ops.msda.backward(grad, *inputs.args()), opts.calls, opts.each
-                        )
-                        print(f"== {preset} {dist} {dtype_name} {mode}: {sum(us for _, us in times):.1f}", flush=True)
-                        for name, us in times:
-                            if us >= opts.smallest:
-                                print(f"   {us:8.1f}  {name[:100]}")
-                    del inputs, grad
+                    _print_cell(PRESETS[preset], preset, dist, dtype_name, opts)
                     torch.cuda.empty_cache()
     finally:
         torch.use_deterministic_algorithms(deterministic)
+
+
+def _print_cell(shape, preset: str, dist: str, dtype_name: str, opts) -> None:
+    """One cell's backward kernels, by the default and the deterministic mode."""
+    dtype = DTYPES[dtype_name]
+    inputs = make_inputs(shape, dtype, "cuda", dist=dist, seed=3)
+    grad = torch.randn(shape.batch, shape.queries, shape.heads * shape.head_dim, device="cuda").to(dtype)
+    for mode in ("default", "deterministic"):
+        torch.use_deterministic_algorithms(mode == "deterministic")
+        times = kernel_times(lambda: torch.ops.msda.backward(grad, *inputs.args()), opts.calls, opts.each)
+        print(f"== {preset} {dist} {dtype_name} {mode}: {sum(us for _, us in times):.1f}", flush=True)
+        for name, us in times:
+            if us >= opts.smallest:
+                print(f"   {us:8.1f}  {name[:100]}")
 
 
 if __name__ == "__main__":

@@ -191,7 +191,6 @@ class MultiScaleDeformableAttention(nn.Module):
                     f"{name} is on {t.device} but query is on {query.device}: all tensors must be on one device"
                 )
 
-
     def extra_repr(self) -> str:
         return (
             f"d_model={self.d_model}, n_levels={self.n_levels}, n_heads={self.n_heads}, "

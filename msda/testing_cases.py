@@ -348,7 +348,6 @@ BAD_CALLS: list[BadCall] = [
 # --- A tiny transformers Deformable DETR ---------------------------------------------------------
 
 
-
 def tiny_deformable_detr(seed: int = 0):
     """DeformableDetrModel with d_model 32 on a 4-stage ResNet of 8 to 32 channels: 4 levels
     (8x8, 4x4, 2x2, 1x1 for a 64x64 image), one encoder and one decoder layer, no dropout."""

@@ -291,8 +291,9 @@ def test_smoke_preset_end_to_end(tmp_path):
             assert r["e2e_us"]["median"] > 0 and r["time_us"] > 0 and r["ratio"] > 0
             assert r["errors"] and all(e <= TOLERANCE[torch.float32] for e in r["errors"].values()), r
     assert set(rows["msda", "forward"]["errors"]) == {"output"}
-    assert set(rows["msda", "backward"]["errors"]) == {"grad_value", "grad_sampling_locations",
-                                                      "grad_attention_weights"}
+    assert set(rows["msda", "backward"]["errors"]) == {
+        "grad_value", "grad_sampling_locations", "grad_attention_weights"
+    }
     assert rows["msda", "forward"]["floor_fraction"] > 0
     for variant in ("msda-graph", "block-reduce-overhead"):
         assert rows[variant, "forward"]["status"] == "skipped"

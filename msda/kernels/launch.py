@@ -35,7 +35,6 @@ from .deterministic import (
     msda_sample_lists_kernel,
     msda_sort_lists_kernel,
 )
-from .forward import msda_forward_kernel
 
 # Gluon (triton.experimental) changes its API from one release to the next: the shared tile's
 # kernel is taken on the triton it was written and measured on, and other releases go without it

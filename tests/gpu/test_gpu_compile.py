@@ -50,8 +50,8 @@ def test_half_precision_replicas_compile_to_one_graph():
         assert backward_kernel.replica_rows(torch.float16, S, S, 4, 4) is not None
         assert backward_kernel.grad_value_accumulator_dtype(inputs.value, S, 4, 4) == torch.float16
         weight = torch.randn(1, S, 8 * 32, device="cuda").half()
-        wrt = [t.detach().clone().requires_grad_() for t in (inputs.value, inputs.sampling_locations,
-                                                              inputs.attention_weights)]  # fmt: skip
+        tensors = (inputs.value, inputs.sampling_locations, inputs.attention_weights)
+        wrt = [t.detach().clone().requires_grad_() for t in tensors]
         compiled(wrt[0], inputs.spatial_shapes, inputs.level_start_index, wrt[1], wrt[2], weight).backward()
         expected = reference_with_grads(inputs, weight)
         for name, got, ref in zip(("grad_value", "grad_loc", "grad_attn"), [t.grad for t in wrt], expected[1:]):
