@@ -2,8 +2,8 @@
 
 `kernel[grid](*args)` binds every argument, computes its specialization key and looks the key up
 on each call: tens of microseconds of Python for a kernel that runs for ten at the decoder preset.
-The eager fast path (msda/eager.py) knows the key already (the launch settings, the dtypes and
-the device), so it keeps each compiled kernel under that key and calls Triton's C launcher for
+The eager fast path (msda/eager.py) knows the key already (the launch settings, the dtypes, the
+integers' classes and the device), so it keeps each compiled kernel under that key and calls Triton's C launcher for
 it directly. `CompiledKernel[grid](..., stream=...)`, the public route, adds per launch a closure,
 the launch metadata for the launch hooks (a dict, made even while no hook is set: the hooks are
 chains, never None), calls of both hook chains and the scratch allocators (bench/NOTES.md entry
@@ -35,7 +35,7 @@ from triton import knobs
 class DirectLauncher:
     def __init__(self, kernel):
         self.kernel = kernel
-        # key -> (C launch function, its arguments before the stream's, after it, constexpr values in signature order)
+        # key -> (launch function, its fixed arguments after the stream, constexpr values in signature order)
         self.compiled: dict[tuple, tuple] = {}
 
     def __call__(self, grid: tuple[int], args: tuple, constexprs: dict, device: torch.device) -> None:
