@@ -3,12 +3,12 @@
 `kernel[grid](*args)` binds every argument, computes its specialization key and looks the key up
 on each call: tens of microseconds of Python for a kernel that runs for ten at the decoder preset.
 The eager fast path (msda/eager.py) knows the key already (the launch settings, the dtypes, the
-integers' classes and the device), so it keeps each compiled kernel under that key and calls Triton's C launcher for
-it directly. `CompiledKernel[grid](..., stream=...)`, the public route, adds per launch a closure,
-the launch metadata for the launch hooks (a dict, made even while no hook is set: the hooks are
-chains, never None), calls of both hook chains and the scratch allocators (bench/NOTES.md entry
-64). Where the compiled kernel's launcher is not the one this was written for (another Triton
-release, a kernel with scratch memory), launches take that route.
+integers' classes and the device), so it keeps each compiled kernel under that key and calls
+Triton's C launcher for it directly. `CompiledKernel[grid](..., stream=...)`, the public route,
+adds per launch a closure, the launch metadata for the launch hooks (a dict, made even while no
+hook is set: the hooks are chains, never None), calls of both hook chains and the scratch
+allocators (bench/NOTES.md entry 64). Where the compiled kernel's launcher is not the one this
+was written for (another Triton release, a kernel with scratch memory), launches take that route.
 
 The key holds all that Triton specializes a compiled kernel on: the device, the constexprs and
 launch options, each tensor's dtype (its pointer 16-byte aligned: PyTorch allocations are), and
