@@ -576,23 +576,20 @@ def compile_backward_ahead(
     the key its launch will compute, for a contiguous grad_output (autograd's, unless a sum's
     expanded one: that launch compiles again). Not while tracing (a thread is for a call that
     runs now) or capturing a graph, and not in the deterministic mode (its lists' kernels)."""
-    if not (
-        COMPILE_AHEAD
-        and type(value) is torch.Tensor
-        and value.is_cuda
-        and attention_weights.numel() > 0
-        and not torch.are_deterministic_algorithms_enabled()
-        and os.environ.get("TRITON_INTERPRET") != "1"
-        and not torch.cuda.is_current_stream_capturing()
-    ):
+    if not (COMPILE_AHEAD and type(value) is torch.Tensor and value.is_cuda):
         return
-    # Once a process for each call's shapes and dtypes: building the launches' arguments costs an
-    # eager call more than this look-up (ahead.start keeps one compile a key as well).
+    # Once a process for each call's shapes and dtypes, looked up first: every later call with
+    # grad of those shapes ends here (ahead.start keeps one compile a key as well).
     call = (
         value.device.index, value.dtype, value.shape, sampling_locations.dtype, sampling_locations.shape,
         attention_weights.dtype, level_start_index is None,
     )  # fmt: skip
-    if call in _AHEAD_CALLS:
+    if call in _AHEAD_CALLS or not (
+        attention_weights.numel() > 0
+        and not torch.are_deterministic_algorithms_enabled()
+        and os.environ.get("TRITON_INTERPRET") != "1"
+        and not torch.cuda.is_current_stream_capturing()
+    ):
         return
     _AHEAD_CALLS.add(call)
     for kernel, args, constexprs in backward_launches(

@@ -3,6 +3,11 @@
 so the backward compiles nothing more, through the eager fast path and through the operator, and
 its gradients match the float64 oracle. (The shared tile's kernel: tests/gpu/test_gpu_shared_tile.py.)"""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -13,6 +18,8 @@ from msda.kernels.backward import msda_backward_kernel, msda_fold_replicas_kerne
 from msda.testing import Shape, make_inputs
 
 from ..helpers import assert_matches_reference, random_like_output
+
+ROOT = Path(__file__).resolve().parents[2]
 
 ENCODER_LEVELS = ((40, 40), (20, 20), (10, 10), (5, 5))  # 2,125 pixels: a float16 grad_value of 2**20 elements and more
 CASES = {
@@ -81,3 +88,48 @@ def test_nothing_begun_without_grad_or_in_deterministic_mode(monkeypatch):
     assert started == []
     msda.multi_scale_deformable_attention(value, shapes, starts, loc, attn)
     assert [args[0] for args in started] == [msda_backward_kernel]
+
+
+# A process may end while the forward's thread still compiles: a script that runs one forward with
+# grad and exits, or a forward's thread begun just before an exception ends the program. The
+# thread is a daemon, so Python does not wait for it; the process must still exit cleanly, and the
+# Triton cache it leaves must serve the next process right.
+_EXIT_SCRIPT = f"""
+import sys, threading, torch, msda
+from msda.kernels import launch
+from msda.testing import Shape, make_inputs
+from tests.helpers import assert_matches_reference, random_like_output
+shape = Shape(batch=2, queries=2125, heads=8, head_dim=32, levels={ENCODER_LEVELS!r}, points=4)
+inputs = make_inputs(shape, torch.float32, "cuda", seed=96, outside_fraction=0.1)
+value, shapes, starts, loc, attn = inputs.args()
+leaves = [t.detach().clone().requires_grad_() for t in (value, loc, attn)]
+if sys.argv[1] == "begun":  # exit while the thread compiles
+    launch.compile_backward_ahead(value, shapes, starts, loc, attn)
+    print("compiling at exit:", any(t.name == "msda-compile-ahead" for t in threading.enumerate()))
+elif sys.argv[1] == "forward":  # exit after one forward with grad, no backward
+    msda.multi_scale_deformable_attention(leaves[0], shapes, starts, leaves[1], leaves[2])
+    torch.cuda.synchronize()
+else:  # a later process on the cache those left: its gradients against the oracle
+    grad_output = random_like_output(inputs)
+    out = msda.multi_scale_deformable_attention(leaves[0], shapes, starts, leaves[1], leaves[2])
+    assert_matches_reference(inputs, (out.detach(), *torch.autograd.grad(out, leaves, grad_output)), grad_output)
+    print("gradients match")
+"""
+
+
+@pytest.mark.parametrize("ending", ["begun", "forward"])
+def test_a_process_ending_while_the_thread_compiles_exits_cleanly(ending, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+
+    def run(mode):
+        result = subprocess.run(
+            [sys.executable, "-c", _EXIT_SCRIPT, mode], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "Traceback" not in result.stderr and "Fatal" not in result.stderr, result.stderr[-3000:]
+        return result.stdout
+
+    out = run(ending)
+    if ending == "begun":  # (an empty cache: the shared tile's kernel alone takes over a second)
+        assert "compiling at exit: True" in out, out
+    assert "gradients match" in run("check")
