@@ -525,4 +525,4 @@ def test_backward_compiled_ahead_with_the_backwards_settings(monkeypatch, shape,
         return [a if type(a) is int else a.dtype for a in args], constexprs
 
     assert len(made) == len(ahead) >= 1
-    assert [key(args, constexprs) for _, args, constexprs in made] == [key(*launch[1:]) for launch in ahead]
+    assert [key(args, constexprs) for _, args, constexprs in made] == [key(*entry[1:]) for entry in ahead]
