@@ -52,7 +52,7 @@ def msda_backward_kernel(
     REPLICAS: tl.constexpr,  # spread the adds of dense levels over replicas of their rows
     LAST_BATCH_FIRST: tl.constexpr,  # programs take the batches in reverse order
     GRAD_VALUE: tl.constexpr,  # False: no grad_value (the deterministic mode's lists sum it: deterministic.py)
-    VALUE_EVICTION: tl.constexpr,  # the value gathers' L2 eviction hint ("" or "evict_first")
+    VALUE_EVICTION: tl.constexpr,  # the value gathers' eviction hint, L1 and L2 alike ("" or "evict_first")
     COUNT_STRIDE: tl.constexpr,  # > 0: count each sample into its list, counters this many int32 apart
     TILE_PIXELS: tl.constexpr,  # > 0: the last level's adds are shared_tile.py's where it has at most this many pixels
     LANE_PLACEMENT: tl.constexpr,  # each sample placed by one thread of its row (launch.backward_lane_placement)
