@@ -29,15 +29,23 @@ def loss_fn(value, spatial_shapes, level_start_index, sampling_locations, attent
     out = msda.multi_scale_deformable_attention(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights
     )
-    # Uneven weights so that no gradient is constant by symmetry.
-    return (out * torch.linspace(-1, 1, out.shape[-1])).sum()
+    return weighted_sum(out)
 
 
 def softmax_loss_fn(value, spatial_shapes, level_start_index, sampling_locations, attention_logits):
     out = msda.multi_scale_deformable_attention_softmax(
         value, spatial_shapes, level_start_index, sampling_locations, attention_logits
     )
-    return (out * torch.linspace(-1, 1, out.shape[-1])).sum()
+    return weighted_sum(out)
+
+
+def weighted_sum(out):
+    """A scalar loss with uneven weights, so that no gradient is constant by symmetry, summed in
+    float64: its terms cancel (their magnitudes add up to ~1,000x the sum's at the first image
+    size), and a float32 sum's rounding, which Inductor's and eager's reduction orders make differ
+    from one CPU to the next, would come out at that scale (1.7e-5 relative on an AMD EPYC host
+    where the operator's own outputs and gradients were equal bit for bit)."""
+    return (out.double() * torch.linspace(-1, 1, out.shape[-1], dtype=torch.float64)).sum()
 
 
 def loss_and_grads(fn, inputs):
