@@ -7,6 +7,12 @@ launches. A forward that knows its backward will launch it starts that work here
 backward waits for it before the launch: the work overlaps the forward's own compiles (the
 passes, ptxas and the C compiler release the GIL) and whatever runs until the backward.
 
+The thread is not a daemon: a process that ends while it compiles waits for it (at most the
+compile's time). A daemon thread still inside Triton's compile when the interpreter shut down
+aborted the process on an H200 host (SIGABRT: the exit's cleanup removed the temporary directory
+the C compiler was writing the launcher into, then the thread's unwinding aborted; bench/NOTES.md
+entry 69).
+
 The thread makes no CUDA call that could disturb a stream or a graph being captured: it compiles
 (Triton's JIT cache keeps the kernel under the key a launch with these arguments computes) and
 builds the launcher (Triton's on-disk cache keeps it); loading the module onto the GPU is left to
@@ -36,7 +42,7 @@ def start(kernel, args: tuple, constexprs: dict, device: torch.device) -> None:
             return
         _started.add(key)
         thread = threading.Thread(
-            target=_compile, args=(kernel, mock, constexprs, device), name="msda-compile-ahead", daemon=True
+            target=_compile, args=(kernel, mock, constexprs, device), name="msda-compile-ahead", daemon=False
         )
         _pending.setdefault(kernel, []).append(thread)
     thread.start()

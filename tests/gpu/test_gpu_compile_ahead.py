@@ -92,7 +92,7 @@ def test_nothing_begun_without_grad_or_in_deterministic_mode(monkeypatch):
 
 # A process may end while the forward's thread still compiles: a script that runs one forward with
 # grad and exits, or a forward's thread begun just before an exception ends the program. The
-# thread is a daemon, so Python does not wait for it; the process must still exit cleanly, and the
+# process must exit cleanly (as a daemon, the thread once aborted it: kernels/ahead.py), and the
 # Triton cache it leaves must serve the next process right.
 _EXIT_SCRIPT = f"""
 import sys, threading, torch, msda
@@ -132,4 +132,6 @@ def test_a_process_ending_while_the_thread_compiles_exits_cleanly(ending, tmp_pa
     out = run(ending)
     if ending == "begun":  # (an empty cache: the shared tile's kernel alone takes over a second)
         assert "compiling at exit: True" in out, out
+    # The process waited for the thread: the backward's kernel is in the cache it left.
+    assert any((tmp_path / "triton").rglob("msda_backward_kernel.cubin"))
     assert "gradients match" in run("check")
