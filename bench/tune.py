@@ -6,7 +6,7 @@
                          [--lists 4,2 8,2,1 16,2,1,1 ...] [--fresh-buffers]
 
 Each variant is a msda.kernels.launch.TileConfig (block_q,groups,threads_per_row[,unroll_levels
-[,prefetch[,bf16_pairs[,lane_placement[,lane_unroll[,max_registers]]]]]]; threads_per_row 0 reads a
+[,prefetch[,bf16_pairs[,lane_placement[,lane_unroll[,max_registers[,params_ahead]]]]]]]; threads_per_row 0 reads a
 whole row per load; any field also as name=value after the positional ones, e.g.
 16,2,0,lane_placement=1,lane_unroll=2,max_registers=40, which keeps its meaning when TileConfig
 gains a field), launched explicitly

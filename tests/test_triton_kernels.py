@@ -274,6 +274,42 @@ def test_lane_placement(monkeypatch, dtype, head_dim, points):
     check_tile_with_levels_summed(monkeypatch, tile, inputs, "LANE_PLACEMENT")
 
 
+@pytest.mark.parametrize(
+    "dtype, head_dim, points",
+    [(torch.float16, 32, 4), (torch.bfloat16, 32, 5), (torch.float16, 16, 3), (torch.float32, 32, 6)],
+    ids=["float16-2-rounds", "bfloat16-2-rounds", "float16-3-rounds", "float32-2-rounds"],
+)
+def test_lane_placement_parameters_ahead(monkeypatch, dtype, head_dim, points):
+    """The lane-placed forward loading each round's sample parameters during the round before
+    (`params_ahead`, the half-precision decoders' rule): two or three rounds a program, the last
+    one's samples partly past L * K, masked queries; against the oracle, and the same bits as
+    without the look-ahead and with the level sizes summed in the kernel."""
+    tile = launch.TileConfig(16, 2, 0, lane_placement=True, lane_unroll=2, params_ahead=True)
+    shape = Shape(batch=2, queries=5, heads=2, head_dim=head_dim, levels=((5, 6), (3, 2), (1, 1)), points=points)
+    inputs = make_inputs(shape, dtype, DEVICE, outside_fraction=0.25, seed=95 + points)
+    value, shapes, starts, loc, attn = inputs.args()
+    without = value.new_empty(shape.batch, shape.queries, shape.heads * head_dim)
+    grid, args, constexprs = launch.forward_call(
+        value, shapes, starts, loc, attn, without, tile._replace(params_ahead=False)
+    )
+    assert not constexprs["PARAMS_AHEAD"]
+    forward_kernel.msda_forward_kernel[grid](*args, **constexprs)
+    check_tile_with_levels_summed(monkeypatch, tile, inputs, "PARAMS_AHEAD")
+    ahead = torch.empty_like(without)
+    grid, args, constexprs = launch.forward_call(value, shapes, starts, loc, attn, ahead, tile)
+    forward_kernel.msda_forward_kernel[grid](*args, **constexprs)
+    torch.testing.assert_close(ahead, without, rtol=0, atol=0)
+
+
+def test_parameters_ahead_rule():
+    """Half-precision decoders load each round's parameters a round ahead; their encoders and
+    float32 do not (bench/NOTES.md entry 69)."""
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        half = dtype != torch.float32
+        assert launch.forward_config(4, 4, 32, dtype).params_ahead == half, dtype
+        assert not launch.forward_config(4, 4, 32, dtype, encoder=True).params_ahead, dtype
+
+
 @pytest.mark.parametrize("turns", [1, 2], ids=["turn", "two-turns"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("head_dim, points", [(6, 2), (24, 2), (16, 3), (32, 5), (32, 4)])

@@ -45,6 +45,17 @@ def _step_params(
 
 
 @triton.jit
+def _own_sample_params(loc_ptr, attn_ptr, param, ok):
+    """The weight and (x, y) of each thread's own sample at `param` (0 where not `ok`), as
+    loaded: no arithmetic on them here, so that loads issued a round ahead are not waited on
+    where they are issued."""
+    attn = tl.load(attn_ptr + param, mask=ok, other=0.0)
+    x = tl.load(loc_ptr + 2 * param, mask=ok, other=0.0)
+    y = tl.load(loc_ptr + 2 * param + 1, mask=ok, other=0.0)
+    return attn, x, y
+
+
+@triton.jit
 def _bf16_pairs(pairs, mask):
     """The bfloat16 value rows at `pairs` (int32 pointers, two elements each; zeros where not
     `mask`) as float32: the pairs' low elements and their high ones, two tensors of its shape.
@@ -244,6 +255,7 @@ def _lane_placed_samples(
     SHUFFLE: tl.constexpr,
     LANE_UNROLL: tl.constexpr,
     BF16_PAIRS: tl.constexpr,
+    PARAMS_AHEAD: tl.constexpr,
 ):
     """The weighed sum of every sample of each (group, query), [LANES, GROUPS, BLOCK_Q, VECTOR]
     (channel lane * VECTOR + element), and a placeholder; with BF16_PAIRS the sums of the pairs'
@@ -254,7 +266,9 @@ def _lane_placed_samples(
     other loop places every sample in each of the row's threads: most of its instructions
     (bench/NOTES.md, entry 26). The lane axis comes first: Triton gives threads to the
     contiguous element axis, then to the others in axis order, so the LANES threads of a row
-    are consecutive lanes of a warp, as the shuffle needs."""
+    are consecutive lanes of a warp, as the shuffle needs. PARAMS_AHEAD: each round's sample
+    parameters are loaded during the round before (a program's first round still waits for its
+    own), so that a program of several rounds waits for them once."""
     SAMPLES: tl.constexpr = NUM_LEVELS * NUM_POINTS
     ROUNDS: tl.constexpr = (SAMPLES + GROUPS * LANES - 1) // (GROUPS * LANES)
     # Turns a round: fewer than LANES where a group has fewer samples than its row has threads
@@ -279,6 +293,13 @@ def _lane_placed_samples(
     # (k + LANES * r) // (NUM_POINTS // GROUPS) in every group: the same for each thread.
     LEVEL_OF_TURN: tl.constexpr = PACK_CORNERS and NUM_POINTS % GROUPS == 0
     acc = tl.zeros([LANES, GROUPS, q.shape[2], VECTOR // ELEMENTS], dtype=tl.float32)
+    if PARAMS_AHEAD:
+        first = group + GROUPS * lane
+        next_attn, next_x, next_y = _own_sample_params(
+            loc_ptr, attn_ptr, first_param + first, (first < SAMPLES) & (q < num_queries)
+        )
+    else:  # placeholders, unused
+        next_attn, next_x, next_y = attn_ptr, loc_ptr, loc_ptr
     for r in tl.range(0, ROUNDS):
         # Lane j of group g places sample g + GROUPS * (j + LANES * r): strided across the lanes,
         # so that each thread loads its own parameters rather than a vector of its neighbours'.
@@ -294,10 +315,18 @@ def _lane_placed_samples(
             for before in tl.static_range(NUM_LEVELS - 1):
                 size = tl.load(shapes_ptr + 2 * before).to(b.dtype) * tl.load(shapes_ptr + 2 * before + 1).to(b.dtype)
                 start += tl.where(before < level, size, 0)
-        param = first_param + sample
-        attn = finite_or_nan(tl.load(attn_ptr + param, mask=ok, other=0.0).to(tl.float32))
-        x = tl.load(loc_ptr + 2 * param, mask=ok, other=0.0)
-        y = tl.load(loc_ptr + 2 * param + 1, mask=ok, other=0.0)
+        if PARAMS_AHEAD:  # this round's, loaded during the last one; then the next round's
+            attn, x, y = next_attn, next_x, next_y
+            attn = finite_or_nan(attn.to(tl.float32))
+            ahead = sample + GROUPS * LANES
+            next_attn, next_x, next_y = _own_sample_params(
+                loc_ptr, attn_ptr, first_param + ahead, (ahead < SAMPLES) & (q < num_queries)
+            )
+        else:
+            param = first_param + sample
+            attn = finite_or_nan(tl.load(attn_ptr + param, mask=ok, other=0.0).to(tl.float32))
+            x = tl.load(loc_ptr + 2 * param, mask=ok, other=0.0)
+            y = tl.load(loc_ptr + 2 * param + 1, mask=ok, other=0.0)
         # Offsets in elements, or pairs (int32: the lane placement has 32-bit indices only).
         row, below, corners, fx, fy = placed_corner_rows(
             x, y, h, w, start, b, m, num_values, ok, NUM_HEADS, HEAD_DIM // ELEMENTS, PACK_CORNERS
@@ -390,6 +419,7 @@ def msda_forward_kernel(
     LANE_PLACEMENT: tl.constexpr,  # each sample placed by one thread of its row: _lane_placed_samples
     SHUFFLE: tl.constexpr,  # with LANE_PLACEMENT: pass placements by warp shuffles (CUDA), see sampling.from_lane
     LANE_UNROLL: tl.constexpr,  # with LANE_PLACEMENT: the row's turns unrolled this many at a time
+    PARAMS_AHEAD: tl.constexpr,  # with LANE_PLACEMENT: each round's sample parameters loaded a round ahead
 ):
     # One program: BLOCK_Q queries of one (batch, head); neighbouring programs take the next
     # queries of the same head, so the programs resident at one time work on few heads and
@@ -411,6 +441,7 @@ def msda_forward_kernel(
         acc, acc_high = _lane_placed_samples(
             value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr, b, m, q, num_queries, num_values, NUM_HEADS,
             HEAD_DIM, NUM_LEVELS, NUM_POINTS, GROUPS, LANES, VECTOR, LEVEL_STARTS, SHUFFLE, LANE_UNROLL, BF16_PAIRS,
+            PARAMS_AHEAD,
         )  # fmt: skip
         out = tl.sum(acc, axis=1)  # [LANES, BLOCK_Q, VECTOR], or its pairs' low elements
         if BF16_PAIRS:  # the pairs interleaved again

@@ -78,6 +78,7 @@ class TileConfig(NamedTuple):
     lane_placement: bool = False  # one thread of a row places each sample (`lane_placement`)
     lane_unroll: int = 1  # lane placement: the row's turns unrolled this many at a time (the backward: 1 or 2)
     max_registers: int = 0  # ptxas's register target a thread (Triton's maxnreg); 0: ptxas's choice
+    params_ahead: bool = False  # forward, lane placement: each round's sample parameters loaded a round ahead
 
     @functools.lru_cache(maxsize=256)
     def constexprs(self, head_dim: int, element_size: int, num_points: int) -> dict:
@@ -131,7 +132,12 @@ def forward_config(
     encoders at one warp, against 16 queries (entry 38, uniform / `local`): float16 131.5 / 124.5
     us against 132.2 / 126.0, bfloat16 129.4 / 127.8 against 135.5 / 128.8; the decoder's few
     queries lose with one warp (11.8 against 9.2 us: its programs no longer fit in one wave), hence the
-    two rules. Measured at head_dim 32 (entry 34); other widths keep one warp a program."""
+    two rules. Measured at head_dim 32 (entry 34); other widths keep one warp a program.
+
+    Half-precision decoders load each round's sample parameters during the round before
+    (`params_ahead`; at the presets a program has two rounds): float16 6.23 -> 5.95 us, `local`
+    5.82 -> 5.64, bfloat16 6.15 -> 5.93 and 5.73 -> 5.69 on the H200; their one-warp encoders
+    lost 2.5-3% with it under `local` (entry 69). Float32 has one round at the presets: unmeasured."""
     half = value_dtype in (torch.float16, torch.bfloat16)
     if encoder and (half or value_dtype == torch.float32):
         # 16-byte loads of a row: its threads.
@@ -155,6 +161,7 @@ def forward_config(
         lane_placement=True,
         lane_unroll=4 if half else 2,
         max_registers=64 if half else 40,
+        params_ahead=half,
     )
 
 
@@ -367,6 +374,7 @@ def _forward_constexprs(
     # Where the lane placement does not apply, the config's other settings choose the loop.
     constexprs.update(LANE_PLACEMENT=lane_placement(config, constexprs, dtype.itemsize), SHUFFLE=WARP_SHUFFLES)
     constexprs["LANE_UNROLL"] = max(1, int(config.lane_unroll))
+    constexprs["PARAMS_AHEAD"] = bool(config.params_ahead) and constexprs["LANE_PLACEMENT"]
     if not (constexprs["LANE_PLACEMENT"] and hopper):  # where the targets were measured
         constexprs.pop("maxnreg", None)
     constexprs["BF16_PAIRS"] = bool(config.bf16_pairs) and pairs_readable
