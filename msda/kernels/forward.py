@@ -322,7 +322,7 @@ def _lane_placed_samples(
             next_attn, next_x, next_y = _own_sample_params(
                 loc_ptr, attn_ptr, first_param + ahead, (ahead < SAMPLES) & (q < num_queries)
             )
-        else:
+        else:  # (inline, not `_own_sample_params`: so these configs compile as they did, entry 69)
             param = first_param + sample
             attn = finite_or_nan(tl.load(attn_ptr + param, mask=ok, other=0.0).to(tl.float32))
             x = tl.load(loc_ptr + 2 * param, mask=ok, other=0.0)

@@ -135,9 +135,10 @@ def forward_config(
     two rules. Measured at head_dim 32 (entry 34); other widths keep one warp a program.
 
     Half-precision decoders load each round's sample parameters during the round before
-    (`params_ahead`; at the presets a program has two rounds): float16 6.23 -> 5.95 us, `local`
-    5.82 -> 5.64, bfloat16 6.15 -> 5.93 and 5.73 -> 5.69 on the H200; their one-warp encoders
-    lost 2.5-3% with it under `local` (entry 69). Float32 has one round at the presets: unmeasured."""
+    (`params_ahead`; at the presets a program has two rounds): in an A/B on the H200 float16
+    6.23 -> 5.95 us, `local` 5.82 -> 5.64, bfloat16 6.15 -> 5.93 and 5.73 -> 5.69; their one-warp
+    encoders lost 2-3% with it under `local` (entry 69). Float32 has one round at the presets:
+    unmeasured."""
     half = value_dtype in (torch.float16, torch.bfloat16)
     if encoder and (half or value_dtype == torch.float32):
         # 16-byte loads of a row: its threads.
