@@ -8,7 +8,8 @@ hold, each walking its own run of consecutive query blocks, puts neighbouring qu
 with one program of 32 warps an SM, its warps take 64 consecutive queries at a time (a third of
 an image row at level 0). No claim or atomic (entry 55's claims cost a round trip a program).
 Call 1 gave each program a run of consecutive blocks (`persistent` > 0, the rows above): slower
-everywhere, the one-warp control too (all heads active at once). Call 2: grid-stride programs
+everywhere, the one-warp control too (all heads active at once). Call 2 (both calls' variants
+are listed below; each call ran the rule and its own): grid-stride programs
 (`persistent` < 0), whose steps take consecutive blocks as the rule's programs do.
 Profiler us of the msda kernel, three rounds in turns; outputs compared bit for bit with the rule's.
 Needs session32-call1-persistent.diff applied (`git apply`; call 2's variant, the strided order,
@@ -32,6 +33,13 @@ def variants_for(dtype):
         base = dict(threads_per_row=0, prefetch=True, lane_placement=True, lane_unroll=2, max_registers=56)
         return {
             "rule 2x2 @56": T(2, 2, **base),
+            # call 1
+            "persistent 64x2, 1 a SM": T(64, 2, **base, persistent=1),
+            "persistent 32x2, 2 a SM": T(32, 2, **base, persistent=2),
+            "persistent 16x2, 4 a SM": T(16, 2, **base, persistent=4),
+            "persistent 2x2, 32 a SM": T(2, 2, **base, persistent=32),
+            "32x2 @56, not persistent": T(32, 2, **base),
+            # call 2
             "strided 64x2, 1 a SM": T(64, 2, **base, persistent=-1),
             "strided 32x2, 2 a SM": T(32, 2, **base, persistent=-2),
             "strided 16x2, 4 a SM": T(16, 2, **base, persistent=-4),
@@ -42,6 +50,9 @@ def variants_for(dtype):
                 lane_placement=True, lane_unroll=4, max_registers=64)
     return {
         "rule 4x2 @64": T(4, 2, **base),
+        "persistent 128x2, 1 a SM": T(128, 2, **base, persistent=1),  # call 1
+        "persistent 64x2, 2 a SM": T(64, 2, **base, persistent=2),
+        "persistent 4x2, 32 a SM": T(4, 2, **base, persistent=32),
         "strided 128x2, 1 a SM": T(128, 2, **base, persistent=-1),
         "strided 64x2, 2 a SM": T(64, 2, **base, persistent=-2),
         "strided 4x2, 32 a SM": T(4, 2, **base, persistent=-32),
