@@ -147,7 +147,7 @@ def launch_forward(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights
     )
     B, _, M, D = value.shape
-    out = launch.empty_written_whole((B, sampling_locations.shape[1], M * D), value.dtype, value.device)
+    out = launch.new_empty_written_whole(value, (B, sampling_locations.shape[1], M * D))
     if out.numel() > 0:
         grid, args, constexprs = launch.forward_call(
             value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out, softmax=softmax
@@ -176,8 +176,8 @@ def launch_backward(
     grad_value, fixed_point_scale, replicas = grad_value_buffer(
         value, grad_output, None if softmax else attention_weights, Q, L, K, lists=not softmax
     )
-    grad_loc = launch.empty_written_whole(sampling_locations.shape, sampling_locations.dtype, value.device)
-    grad_attn = launch.empty_written_whole(attention_weights.shape, attention_weights.dtype, value.device)
+    grad_loc = launch.new_empty_written_whole(sampling_locations)
+    grad_attn = launch.new_empty_written_whole(attention_weights)
     # The deterministic mode's lists' buffers, which the backward kernel writes first.
     lists = launch.list_buffers(value, sampling_locations, attention_weights) if grad_value is None else None
     scratch = None

@@ -287,7 +287,8 @@ def test_smoke_preset_end_to_end(tmp_path):
                     "block-compile", "block-unfused", "block-unfused-compile"):
         for p in ("forward", "backward"):
             r = rows[variant, p]
-            assert r["status"] == "ok", r
+            # (pytest cuts a long dict short: the fields that say why come first)
+            assert r["status"] == "ok", (variant, p, r["status"], r["note"], r["notes"])
             assert r["e2e_us"]["median"] > 0 and r["time_us"] > 0 and r["ratio"] > 0
             assert r["errors"] and all(e <= TOLERANCE[torch.float32] for e in r["errors"].values()), r
     assert set(rows["msda", "forward"]["errors"]) == {"output"}

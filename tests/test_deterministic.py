@@ -252,3 +252,29 @@ def test_fill_skipped_only_inside_and_only_when_asked(deterministic_algorithms):
         out = launch.empty_written_whole((2, 3), torch.float16, "cpu")
     assert fill_on_allocation == [False] and flag.fill_uninitialized_memory
     assert out.shape == (2, 3) and out.dtype == torch.float16
+
+
+def test_new_empty_written_whole(deterministic_algorithms):
+    """The eager path's outputs (`new_empty_written_whole`): contiguous, of the given shape or the
+    argument's, with its dtype and device, allocated with the deterministic mode's NaN fill off,
+    which stays on after."""
+    flag = torch.utils.deterministic
+    fill_on_allocation = []
+    real_empty_like, real_new_empty = torch.empty_like, torch.Tensor.new_empty
+
+    def empty_like(*args, **kwargs):
+        fill_on_allocation.append(flag.fill_uninitialized_memory)
+        return real_empty_like(*args, **kwargs)
+
+    def new_empty(self, *args, **kwargs):
+        fill_on_allocation.append(flag.fill_uninitialized_memory)
+        return real_new_empty(self, *args, **kwargs)
+
+    source = torch.ones(3, 4, dtype=torch.float16).t()  # not contiguous
+    with mock.patch.object(torch, "empty_like", empty_like), mock.patch.object(torch.Tensor, "new_empty", new_empty):
+        alike = launch.new_empty_written_whole(source)
+        shaped = launch.new_empty_written_whole(source, (2, 5))
+    assert fill_on_allocation == [False, False] and flag.fill_uninitialized_memory
+    assert alike.shape == (4, 3) and shaped.shape == (2, 5)
+    for out in (alike, shaped):
+        assert out.is_contiguous() and out.dtype == torch.float16 and out.device == source.device

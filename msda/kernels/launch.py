@@ -909,6 +909,20 @@ def empty_written_whole(shape, dtype: torch.dtype, device) -> Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def new_empty_written_whole(tensor: Tensor, shape=None) -> Tensor:
+    """`empty_written_whole` of `shape` (None: `tensor`'s), contiguous, with `tensor`'s dtype and
+    device, for the eager path: through `torch.empty_like` or `Tensor.new_empty`, which take those
+    from `tensor` in C++ where torch.empty parses them from Python arguments (on an H200 host, a
+    decoder's value-sized buffer: torch.empty 8.1 us a call, empty_like 3.7, new_empty 5.8;
+    bench/NOTES.md entry 71)."""
+    if torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory:
+        with fill_skipped():
+            return new_empty_written_whole(tensor, shape)
+    if shape is None:
+        return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    return tensor.new_empty(shape)
+
+
 @contextlib.contextmanager
 def fill_skipped(skip: bool = True):
     """torch.empty inside it without the NaN fill of deterministic mode
