@@ -135,6 +135,21 @@ def _launch(launcher, grid, args, constexprs, device) -> None:
             launcher(grid, args, constexprs, device)
 
 
+# The forward's launches as `DirectLauncher.prepare` resolved them, by `launch.forward_signature`
+# (None: that call's launch could not be prepared). With one, an eager forward skips the argument
+# builder and the launcher's key (bench/NOTES.md entry 73).
+_forward_launches: dict[tuple, object] = {}
+_MAX_PREPARED = 256
+
+
+def _launch_prepared(prepared, tensors, device) -> bool:
+    guard = _device_guard(device)
+    if guard is None:
+        return prepared(tensors)
+    with guard:
+        return prepared(tensors)
+
+
 def launch_forward(
     value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax=False
 ) -> Tensor:
@@ -149,10 +164,23 @@ def launch_forward(
     B, _, M, D = value.shape
     out = launch.new_empty_written_whole(value, (B, sampling_locations.shape[1], M * D))
     if out.numel() > 0:
-        grid, args, constexprs = launch.forward_call(
-            value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out, softmax=softmax
+        key = launch.forward_signature(
+            value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax
         )
-        _launch(_forward_kernel, grid, args, constexprs, value.device)
+        prepared = _forward_launches.get(key)
+        tensors = (
+            value, spatial_shapes, spatial_shapes if level_start_index is None else level_start_index,
+            sampling_locations, attention_weights, out,
+        )  # fmt: skip
+        if prepared is None or not _launch_prepared(prepared, tensors, value.device):
+            grid, args, constexprs = launch.forward_call(
+                value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out, softmax=softmax
+            )
+            _launch(_forward_kernel, grid, args, constexprs, value.device)
+            if key not in _forward_launches:
+                if len(_forward_launches) >= _MAX_PREPARED:  # (a process of many shapes: start again)
+                    _forward_launches.clear()
+                _forward_launches[key] = _forward_kernel.prepare(grid, args, constexprs, value.device)
     return out
 
 

@@ -5,6 +5,8 @@ kernel is reused only for integers Triton would have compiled the same code for.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -109,3 +111,89 @@ def test_a_kernel_is_reused_only_for_integers_of_its_specialization(monkeypatch)
     assert jit_after == [1, 1, 2, 2, 3, 3, 3]
     # The reused launches went through the C launch, with their own n.
     assert [args[-2] for args in kernel.c_launches] == [32, 33, 1, 48]
+
+
+def test_a_prepared_launch_passes_what_the_launcher_would(monkeypatch):
+    """`DirectLauncher.prepare` after a launch: the same C launch for new tensors of the call's
+    dtypes (their pointers in the tensors' places, the integers kept), and nothing launched
+    (False) for a misaligned pointer or while a launch hook is set."""
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: STREAM, raising=False)
+    kernel = _JITKernel()
+    launcher = direct.DirectLauncher(kernel)
+    device = torch.device("cuda", 0)
+    x, y = torch.zeros(64), torch.ones(64)
+    assert direct.DirectLauncher(kernel).prepare((2,), (x, 48), {"BLOCK": 4}, device) is None  # not launched yet
+    launcher((2,), (x, 48), {"BLOCK": 4}, device)
+    launcher((2,), (x, 48), {"BLOCK": 4}, device)  # the C route
+    prepared = launcher.prepare((2,), (x, 48), {"BLOCK": 4}, device)
+    assert prepared.slots == (None, 48)
+    assert prepared((y,)) is True
+    by_launcher, by_prepared = kernel.c_launches[-2:]
+    assert by_prepared[:4] == by_launcher[:4] == (2, 1, 1, STREAM)
+    assert by_prepared[4:-3] == by_launcher[4:-3]  # function, launch settings, metadata
+    assert by_launcher[-3:] == (x.data_ptr(), 48, 4) and by_prepared[-3:] == (y.data_ptr(), 48, 4)
+
+    launches = len(kernel.c_launches)
+    misaligned = torch.zeros(65)[1:]
+    assert misaligned.data_ptr() % 16 and prepared((misaligned,)) is False
+
+    def hook(metadata):
+        pass
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert prepared((y,)) is False
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(kernel.c_launches) == launches and len(kernel.jit_launches) == 1
+
+
+def _forward_variants():
+    """Calls of the forward that differ in one thing forward_call reads, or in nothing it reads
+    (the data, other tensors of the same metadata)."""
+    from msda.testing import Shape, make_inputs
+
+    base = Shape(batch=2, queries=5, heads=2, head_dim=8, levels=((3, 4), (2, 2)), points=2)
+    encoder = Shape(batch=1, queries=16, heads=2, head_dim=8, levels=((3, 4), (2, 2)), points=2)  # Q == S
+    odd_width = Shape(batch=2, queries=5, heads=2, head_dim=6, levels=((3, 4), (2, 2)), points=3)
+    # one size apart from base: the value's width, its pixels, the queries
+    others = [dataclasses.replace(base, head_dim=16), dataclasses.replace(base, levels=((4, 4), (2, 2))),
+              dataclasses.replace(base, queries=7)]
+    variants = []
+    for shape in (base, encoder, odd_width, *others):
+        for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            for seed in (0, 1):
+                value, shapes, starts, loc, attn = make_inputs(shape, dtype, seed=seed).args()
+                variants.append((value, shapes, starts, loc, attn, False))
+                variants.append((value, shapes, None, loc, attn, False))
+                variants.append((value, shapes, starts, loc, attn, True))
+                variants.append((value, shapes.int(), starts.int(), loc, attn, False))
+                variants.append((value, shapes.int(), starts, loc, attn, False))
+                variants.append((value, shapes, starts, loc.float(), attn, False))
+                variants.append((value, shapes, starts, loc, attn.float(), False))
+                variants.append((value, shapes, starts, loc.float(), attn.float(), False))
+                # bfloat16 pairs need an even storage offset: a value one element into its storage
+                shifted = torch.empty(value.numel() + 1, dtype=dtype)[1:].view(value.shape).copy_(value)
+                variants.append((shifted, shapes, starts, loc, attn, False))
+    return variants
+
+
+def test_forward_signature_covers_what_forward_call_reads(monkeypatch):
+    """Calls with equal `launch.forward_signature` get the same grid, integers, tensor dtypes and
+    constexprs from `launch.forward_call` (so one prepared launch serves them all), on the
+    Hopper rule and the default one; and the variants are not all one key."""
+    from msda.kernels import launch
+
+    for hopper in (False, True):
+        monkeypatch.setattr(launch, "register_target", lambda device, hopper=hopper: hopper)
+        launches = {}
+        for value, shapes, starts, loc, attn, softmax in _forward_variants():
+            B, _, M, D = value.shape
+            out = value.new_empty((B, loc.shape[1], M * D))
+            grid, args, constexprs = launch.forward_call(value, shapes, starts, loc, attn, out, softmax=softmax)
+            resolved = (grid, tuple(a if type(a) is int else a.dtype for a in args), constexprs)
+            key = launch.forward_signature(value, shapes, starts, loc, attn, softmax)
+            assert launches.setdefault(key, resolved) == resolved, key
+        assert len(launches) > 50, len(launches)
+        pairs = {key: resolved[2]["BF16_PAIRS"] for key, resolved in launches.items()}
+        assert True in pairs.values() and False in pairs.values()

@@ -348,6 +348,21 @@ def forward_call(
     return grid, args, dict(constexprs)
 
 
+def forward_signature(
+    value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor | None, sampling_locations: Tensor,
+    attention_weights: Tensor, softmax: bool,
+) -> tuple:  # fmt: skip
+    """What `forward_call` reads of a call on contiguous tensors (the output is value's dtype and
+    the shape the sizes give), as a key: two calls with equal keys get the same grid, integers,
+    tensor dtypes and constexprs, so an eager launch prepared for one serves the other
+    (msda/eager.py). Keep it in step with forward_call; tests/test_direct_launch.py checks it."""
+    return (
+        value.shape, value.dtype, value.device, value.storage_offset() & 1, spatial_shapes.dtype,
+        None if level_start_index is None else level_start_index.dtype, sampling_locations.shape,
+        sampling_locations.dtype, attention_weights.dtype, softmax, forward_config,
+    )  # fmt: skip
+
+
 # The settings of a launch are a function of these few facts of a call, so they are computed once
 # for each: building them took about half of an eager forward call's Python (bench/NOTES.md entry
 # 42). `config` is a TileConfig or the launch rule that gives one: a parameter, so that another

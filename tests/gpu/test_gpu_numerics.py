@@ -13,7 +13,7 @@ import msda
 from msda import ops, torch_impl
 from msda.kernels import launch
 from msda.kernels.backward import SAMPLES_PER_REPLICA, grad_value_accumulator_dtype, replica_rows
-from msda.testing import PRESETS, make_inputs, reference_with_grads, relative_error, tolerance
+from msda.testing import PRESETS, make_inputs, reference, reference_with_grads, relative_error, tolerance
 
 from ..helpers import (
     assert_matches_reference,
@@ -182,6 +182,35 @@ def test_eager_launches_call_tritons_c_launcher(dtype):
     assert public.call_count == 0
     assert torch.equal(again[0], first[0])
     assert_matches_reference(inputs, again, grad_output)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).removeprefix("torch."))
+def test_eager_forwards_reuse_a_prepared_launch(dtype):
+    """A second eager forward of a call's shapes, dtypes and flags takes the launch the first one
+    prepared (msda/eager.py: no argument builder), on its own tensors: its output is the oracle's.
+    A value 8 bytes past an allocation has the same key but not the 16-byte alignment the kernel
+    was compiled for: that call goes the long way (Triton's JIT), with the same bits."""
+    first, second = (make_inputs(PRESETS["decoder"], dtype, "cuda", seed=seed) for seed in (15, 16))
+
+    def forward(inputs, value=None):
+        with torch.no_grad():
+            return msda.multi_scale_deformable_attention(
+                inputs.value if value is None else value, inputs.spatial_shapes, inputs.level_start_index,
+                inputs.sampling_locations, inputs.attention_weights,
+            )  # fmt: skip
+
+    forward(first)
+    with mock.patch.object(launch, "forward_call", wraps=launch.forward_call) as builder:
+        out = forward(second)
+        assert builder.call_count == 0
+        value = second.value
+        shifted = torch.empty(value.numel() + 8 // value.element_size(), dtype=dtype, device="cuda")
+        shifted = shifted[8 // value.element_size():].view(value.shape).copy_(value)
+        assert shifted.data_ptr() % 16 == 8 and shifted.storage_offset() % 2 == 0
+        torch.testing.assert_close(forward(second, shifted), out, rtol=0, atol=0)
+        assert builder.call_count == 1
+    expected = reference(second.value, second.spatial_shapes, second.sampling_locations, second.attention_weights)
+    assert relative_error(out, expected) <= tolerance(dtype)
 
 
 def test_eager_launches_call_a_set_launch_hook():
