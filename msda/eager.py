@@ -168,10 +168,9 @@ def launch_forward(
             value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax
         )
         prepared = _forward_launches.get(key)
-        tensors = (
-            value, spatial_shapes, spatial_shapes if level_start_index is None else level_start_index,
-            sampling_locations, attention_weights, out,
-        )  # fmt: skip
+        tensors = launch.forward_tensors(
+            value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out
+        )
         if prepared is None or not _launch_prepared(prepared, tensors, value.device):
             grid, args, constexprs = launch.forward_call(
                 value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out, softmax=softmax

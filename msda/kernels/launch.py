@@ -343,9 +343,18 @@ def forward_call(
         level_start_index is not None, softmax, _pairs_readable(value), config or forward_config,
     )  # fmt: skip
     grid = (_cdiv(Q, constexprs["BLOCK_Q"]) * B * M,)
-    starts = spatial_shapes if level_start_index is None else level_start_index  # unread if None
-    args = (value, spatial_shapes, starts, sampling_locations, attention_weights, out, Q, S)
+    tensors = forward_tensors(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out)
+    args = (*tensors, Q, S)
     return grid, args, dict(constexprs)
+
+
+def forward_tensors(
+    value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor | None, sampling_locations: Tensor,
+    attention_weights: Tensor, out: Tensor,
+) -> tuple:  # fmt: skip
+    """msda_forward_kernel's tensor arguments, in order (its integers, Q and S, follow them)."""
+    starts = spatial_shapes if level_start_index is None else level_start_index  # unread if None
+    return value, spatial_shapes, starts, sampling_locations, attention_weights, out
 
 
 def forward_signature(
