@@ -126,13 +126,17 @@ def _device_guard(device: torch.device):
     return None if device.index == torch.cuda.current_device() else torch.cuda.device(device)
 
 
-def _launch(launcher, grid, args, constexprs, device) -> None:
+def _call_on_device(device: torch.device, call, *args):
+    """call(*args) with `device` current (a launch goes to the current device's stream)."""
     guard = _device_guard(device)
     if guard is None:
-        launcher(grid, args, constexprs, device)
-    else:
-        with guard:
-            launcher(grid, args, constexprs, device)
+        return call(*args)
+    with guard:
+        return call(*args)
+
+
+def _launch(launcher, grid, args, constexprs, device) -> None:
+    _call_on_device(device, launcher, grid, args, constexprs, device)
 
 
 # The forward's launches as `DirectLauncher.prepare` resolved them, by `launch.forward_signature`
@@ -140,14 +144,6 @@ def _launch(launcher, grid, args, constexprs, device) -> None:
 # builder and the launcher's key (bench/NOTES.md entry 73).
 _forward_launches: dict[tuple, object] = {}
 _MAX_PREPARED = 256
-
-
-def _launch_prepared(prepared, tensors, device) -> bool:
-    guard = _device_guard(device)
-    if guard is None:
-        return prepared(tensors)
-    with guard:
-        return prepared(tensors)
 
 
 def launch_forward(
@@ -171,7 +167,7 @@ def launch_forward(
         tensors = launch.forward_tensors(
             value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out
         )
-        if prepared is None or not _launch_prepared(prepared, tensors, value.device):
+        if prepared is None or not _call_on_device(value.device, prepared, tensors):
             grid, args, constexprs = launch.forward_call(
                 value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out, softmax=softmax
             )
