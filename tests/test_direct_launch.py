@@ -156,9 +156,10 @@ def _forward_variants():
     base = Shape(batch=2, queries=5, heads=2, head_dim=8, levels=((3, 4), (2, 2)), points=2)
     encoder = Shape(batch=1, queries=16, heads=2, head_dim=8, levels=((3, 4), (2, 2)), points=2)  # Q == S
     odd_width = Shape(batch=2, queries=5, heads=2, head_dim=6, levels=((3, 4), (2, 2)), points=3)
-    # one size apart from base: the value's width, its pixels, the queries
+    # one size apart from base: the value's width, its pixels, the queries, the points, the levels
     others = [dataclasses.replace(base, head_dim=16), dataclasses.replace(base, levels=((4, 4), (2, 2))),
-              dataclasses.replace(base, queries=7)]
+              dataclasses.replace(base, queries=7), dataclasses.replace(base, points=3),
+              dataclasses.replace(base, levels=((3, 4), (1, 2), (1, 1)))]
     variants = []
     for shape in (base, encoder, odd_width, *others):
         for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
@@ -178,22 +179,35 @@ def _forward_variants():
     return variants
 
 
+def _two_rules(rule):
+    """`rule` and another launch rule, which gives every call 2-query programs: a key must tell
+    a launch made under one from a launch made under the other (the tests replace the rules)."""
+
+    def other_rule(*args, **kwargs):
+        return rule(*args, **kwargs)._replace(block_q=2)
+
+    return rule, other_rule
+
+
 def test_forward_signature_covers_what_forward_call_reads(monkeypatch):
     """Calls with equal `launch.forward_signature` get the same grid, integers, tensor dtypes and
     constexprs from `launch.forward_call` (so one prepared launch serves them all), on the
-    Hopper rule and the default one; and the variants are not all one key."""
+    Hopper rule and the default one, under two launch rules; and the variants are not all one
+    key."""
     from msda.kernels import launch
 
     for hopper in (False, True):
         monkeypatch.setattr(launch, "register_target", lambda device, hopper=hopper: hopper)
         launches = {}
-        for value, shapes, starts, loc, attn, softmax in _forward_variants():
-            B, _, M, D = value.shape
-            out = value.new_empty((B, loc.shape[1], M * D))
-            grid, args, constexprs = launch.forward_call(value, shapes, starts, loc, attn, out, softmax=softmax)
-            resolved = (grid, tuple(a if type(a) is int else a.dtype for a in args), constexprs)
-            key = launch.forward_signature(value, shapes, starts, loc, attn, softmax)
-            assert launches.setdefault(key, resolved) == resolved, key
+        for rule in _two_rules(launch.forward_config):
+            monkeypatch.setattr(launch, "forward_config", rule)
+            for value, shapes, starts, loc, attn, softmax in _forward_variants():
+                B, _, M, D = value.shape
+                out = value.new_empty((B, loc.shape[1], M * D))
+                grid, args, constexprs = launch.forward_call(value, shapes, starts, loc, attn, out, softmax=softmax)
+                resolved = (grid, tuple(a if type(a) is int else a.dtype for a in args), constexprs)
+                key = launch.forward_signature(value, shapes, starts, loc, attn, softmax)
+                assert launches.setdefault(key, resolved) == resolved, key
         assert len(launches) > 50, len(launches)
         pairs = {key: resolved[2]["BF16_PAIRS"] for key, resolved in launches.items()}
         assert True in pairs.values() and False in pairs.values()
