@@ -253,13 +253,19 @@ def _samples(levels: Levels, locations: Tensor, first: int, ctype: torch.dtype) 
     return Samples(rows=rows, weight=weight, inside=inside)
 
 
-def _corner_weights(samples: Samples, attn: Tensor) -> Tensor:
+def _corner_products(samples: Samples, attn: Tensor) -> Tensor:
     """(n, M, 2 [corner y], 2 [corner x], L*K): attention weight * bilinear weight of each corner,
-    from the attention weights as (n, M, 1, L*K); exactly 0 on a corner outside its level, also
-    for a NaN attention weight (whose NaN must reach only the rows its sample reads)."""
+    from the attention weights as (n, M, 1, L*K); 0 on a corner outside its level where the
+    attention weight is finite."""
     wx, wy = samples.weight[:, :, 0], samples.weight[:, :, 1]
+    return (wy * attn).unsqueeze(-2) * wx.unsqueeze(-3)
+
+
+def _corner_weights(samples: Samples, attn: Tensor) -> Tensor:
+    """`_corner_products`, exactly 0 on a corner outside its level also for a NaN attention weight
+    (whose NaN must reach only the rows its sample reads)."""
     inside = samples.inside[:, :, 1].unsqueeze(-2) & samples.inside[:, :, 0].unsqueeze(-3)
-    return torch.where(inside, (wy * attn).unsqueeze(-2) * wx.unsqueeze(-3), 0.0)
+    return torch.where(inside, _corner_products(samples, attn), 0.0)
 
 
 def _chunks(query_rows: int, corners_per_query_row: int) -> list[tuple[int, int]]:
@@ -281,7 +287,11 @@ def _cpu_forward(value, spatial_shapes, level_start_index, sampling_locations, a
     _, Q, _, L, K, _ = sampling_locations.shape
     ctype = compute_dtype(value, sampling_locations, attention_weights)
     levels = _levels(value, spatial_shapes, level_start_index, sampling_locations)
-    locations, attn = _flat_inputs(sampling_locations, attention_weights, ctype)
+    locations = sampling_locations.reshape(B * Q, M, L * K, 2)
+    # The weights as given: a non-finite one spoils only its own (batch, query, head) sum, which the
+    # end makes NaN in any case (no `_weights` or `_corner_weights` here, whose passes took about a
+    # fifth of the forward on a CPU: bench/NOTES.md entry 76).
+    attn = attention_weights.reshape(B * Q, M, 1, L * K).to(ctype)
     rows_of_value = value.reshape(-1, D).to(ctype)
     out = torch.empty((B * Q, M * D), dtype=ctype)
     for first, last in _chunks(B * Q, M * 4 * L * K):
@@ -290,12 +300,12 @@ def _cpu_forward(value, spatial_shapes, level_start_index, sampling_locations, a
         out[first:last] = F.embedding_bag(
             samples.rows.reshape(bags, 4 * L * K),
             rows_of_value,
-            per_sample_weights=_corner_weights(samples, attn[first:last]).reshape(bags, 4 * L * K),
+            per_sample_weights=_corner_products(samples, attn[first:last]).reshape(bags, 4 * L * K),
             mode="sum",
         ).view(last - first, M * D)
-    # A non-finite attention weight makes its (batch, query, head) NaN, inside its level or not.
-    poisoned = attn.isnan().any(-1).expand(B * Q, M, D)
-    out.view(B * Q, M, D).masked_fill_(poisoned, torch.nan)
+    # A non-finite attention weight makes its (batch, query, head) NaN, inside its level or not:
+    # w - w is 0 for a finite w and NaN otherwise, so each head adds 0 or NaN to its D channels.
+    out.view(B * Q, M, D).add_((attn - attn).sum(-1))
     return out.view(B, Q, M * D).to(value.dtype)
 
 
