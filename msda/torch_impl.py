@@ -274,12 +274,10 @@ def _chunks(query_rows: int, corners_per_query_row: int) -> list[tuple[int, int]
 
 
 def _flat_inputs(sampling_locations: Tensor, attention_weights: Tensor, ctype: torch.dtype):
-    """Locations as (B*Q, M, L*K, 2) and attention weights as (B*Q, M, 1, L*K) in ctype."""
+    """Locations as (B*Q, M, L*K, 2) and attention weights as (B*Q, M, 1, L*K) in ctype, as given
+    (a non-finite one stays what it is: `_weights` makes it NaN where that is needed)."""
     B, Q, M, L, K, _ = sampling_locations.shape
-    return (
-        sampling_locations.reshape(B * Q, M, L * K, 2),
-        _weights(attention_weights.reshape(B * Q, M, 1, L * K), ctype),
-    )
+    return sampling_locations.reshape(B * Q, M, L * K, 2), attention_weights.reshape(B * Q, M, 1, L * K).to(ctype)
 
 
 def _cpu_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights) -> Tensor:
@@ -287,11 +285,10 @@ def _cpu_forward(value, spatial_shapes, level_start_index, sampling_locations, a
     _, Q, _, L, K, _ = sampling_locations.shape
     ctype = compute_dtype(value, sampling_locations, attention_weights)
     levels = _levels(value, spatial_shapes, level_start_index, sampling_locations)
-    locations = sampling_locations.reshape(B * Q, M, L * K, 2)
     # The weights as given: a non-finite one spoils only its own (batch, query, head) sum, which the
     # end makes NaN in any case (no `_weights` or `_corner_weights` here, whose passes took about a
     # fifth of the forward on a CPU: bench/NOTES.md entry 76).
-    attn = attention_weights.reshape(B * Q, M, 1, L * K).to(ctype)
+    locations, attn = _flat_inputs(sampling_locations, attention_weights, ctype)
     rows_of_value = value.reshape(-1, D).to(ctype)
     out = torch.empty((B * Q, M * D), dtype=ctype)
     for first, last in _chunks(B * Q, M * 4 * L * K):
@@ -331,6 +328,7 @@ def _cpu_backward(
     ctype = compute_dtype(value, sampling_locations, attention_weights)
     levels = _levels(value, spatial_shapes, level_start_index, sampling_locations)
     locations, attn = _flat_inputs(sampling_locations, attention_weights, ctype)
+    attn = _weights(attn, ctype)
     rows_of_value = value.reshape(-1, D).to(ctype)
     grad = grad_output.reshape(B * Q * M, D).to(ctype)
     per_bag = 4 * L * K
