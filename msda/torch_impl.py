@@ -328,7 +328,14 @@ def _cpu_backward(
     ctype = compute_dtype(value, sampling_locations, attention_weights)
     levels = _levels(value, spatial_shapes, level_start_index, sampling_locations)
     locations, attn = _flat_inputs(sampling_locations, attention_weights, ctype)
-    attn = _weights(attn, ctype)
+    # A corner outside its level has bilinear weight 0, so with finite attention weights its product
+    # is 0 already. A non-finite weight must reach only the rows its sample's inside corners read:
+    # made NaN, and the outside corners' products zeroed, two passes the common case skips (a CPU
+    # call is eager: the check costs no device sync; bench/NOTES.md entry 77).
+    finite = bool(torch.isfinite(attn).all())
+    if not finite:
+        attn = _weights(attn, ctype)
+    corner_weights_of = _corner_products if finite else _corner_weights
     rows_of_value = value.reshape(-1, D).to(ctype)
     grad = grad_output.reshape(B * Q * M, D).to(ctype)
     per_bag = 4 * L * K
@@ -341,7 +348,7 @@ def _cpu_backward(
     grad_attn = torch.empty((B * Q, M, L * K), dtype=ctype)
     for first, last in _chunks(B * Q, M * per_bag):
         samples = _samples(levels, locations[first:last], first, ctype)
-        corner_weights = _corner_weights(samples, attn[first:last])
+        corner_weights = corner_weights_of(samples, attn[first:last])
         chunk = slice(first * M * per_bag, last * M * per_bag)
         rows[chunk] = samples.rows.reshape(-1)
         weights[chunk] = corner_weights.reshape(-1)
