@@ -2,6 +2,7 @@
 against patched with csrc_free_ops.transformers.patch.
 
     python -m bench.detr [--batch 2] [--size 800 1333] [--steps 10] [--no-compile] [--smoke]
+    python -m bench.detr --device cpu --no-compile --precisions float32 --kinds inference --out r.md
 
 The model is DeformableDetrForObjectDetection built from its config: a ResNet-50 backbone
 (transformers' own ResNet, random weights, nothing from the hub), 6 encoder and 6 decoder layers,
@@ -10,7 +11,9 @@ MultiScaleDeformableAttention (its hub kernel is not installed on such machines)
 msda. Each of inference (no grad) and a training step (forward, a loss on the logits and boxes,
 backward) is timed eager and under torch.compile, in float32 and under bfloat16 autocast, as the
 median wall time of `--steps` steps after warm-up, with one synchronization per step. One table,
-one process. `--smoke` builds a tiny model on a 128 x 128 image (for CPU checks of this script).
+one process; `--precisions`, `--kinds` and `--no-compile` pick rows (a CPU run of every row at
+800x1333 takes hours), `--out` also writes the table and the machine as markdown. `--smoke` builds
+a tiny model on a 128 x 128 image (for CPU checks of this script).
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -70,8 +75,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-compile", action="store_true", help="eager rows only")
+    parser.add_argument("--precisions", default=",".join(PRECISIONS), help=f"of {', '.join(PRECISIONS)}")
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"of {', '.join(KINDS)}")
+    parser.add_argument("--out", type=Path, help="also write the table as markdown to this file")
     parser.add_argument("--smoke", action="store_true", help="a tiny model on a 128 x 128 image")
     opts = parser.parse_args()
+    precisions, kinds = _choices(parser, "--precisions", opts.precisions, PRECISIONS), _choices(
+        parser, "--kinds", opts.kinds, KINDS
+    )
     if opts.smoke:
         opts.size, opts.batch, opts.steps = [128, 128], 2, 2
 
@@ -86,17 +97,20 @@ def main() -> None:
     patched = build(opts.smoke).to(device)
     assert csrc_free_ops.transformers.patch(patched) > 0
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    table = Table(title=f"Deformable DETR, batch {opts.batch} at {opts.size[0]}x{opts.size[1]}, {name}, "
-                        f"torch {torch.__version__}: median ms per step")  # fmt: skip
-    for column in ("step", "mode", "precision", "stock", "patched (msda)", "speed-up"):
+    title = (f"Deformable DETR, batch {opts.batch} at {opts.size[0]}x{opts.size[1]}, {name}, "
+             f"torch {torch.__version__}: median ms per step")  # fmt: skip
+    header = ["step", "mode", "precision", "stock", "patched (msda)", "speed-up"]
+    table = Table(title=title)
+    for column in header:
         table.add_column(column, justify="right" if column in ("stock", "patched (msda)", "speed-up") else "left")
+    body = []
 
     modes = ["eager"] + ([] if opts.no_compile else ["compiled"])
     for mode in modes:
-        for precision in ("float32", "bfloat16 autocast"):
+        for precision in precisions:
             autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision != "float32"
                         else contextlib.nullcontext())  # fmt: skip
-            for kind in ("inference", "training"):
+            for kind in kinds:
                 row = []
                 for model in (stock, patched):
                     model.train(kind == "training")
@@ -119,8 +133,34 @@ def main() -> None:
                               f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")  # fmt: skip
                 cells = [f"{t:.1f}" if t is not None else "failed" for t in row]
                 ratio = f"{row[0] / row[1]:.2f}x" if None not in row else "-"
-                table.add_row(kind, mode, precision, *cells, ratio)
+                body.append([kind, mode, precision, *cells, ratio])
+                table.add_row(*body[-1])
+                if opts.out:
+                    _write_markdown(opts.out, title, header, body)
     Console().print(table)
+
+
+PRECISIONS = ("float32", "bfloat16 autocast")
+KINDS = ("inference", "training")
+
+
+def _choices(parser: argparse.ArgumentParser, option: str, text: str, allowed: tuple[str, ...]) -> list[str]:
+    """A comma-separated subset of `allowed`, in the order given ("bfloat16" names "bfloat16 autocast")."""
+    chosen = [next((a for a in allowed if a.split()[0] == x.strip()), x.strip()) for x in text.split(",") if x.strip()]
+    unknown = [x for x in chosen if x not in allowed]
+    if unknown or not chosen:
+        parser.error(f"{option}: {', '.join(unknown) or 'nothing'} is not one of {', '.join(allowed)}")
+    return chosen
+
+
+def _write_markdown(path: Path, title: str, header: list[str], body: list[list[str]]) -> None:
+    """The rows so far, under the machine's description (rewritten after every row)."""
+    from .cpu import machine, markdown_table
+
+    info = machine([torch.get_num_threads()])
+    lines = [f"# {title}", ""] + [f"- {k}: {v}" for k, v in info.items()]
+    lines += [f"- command: python -m bench.detr {' '.join(sys.argv[1:])}", "", markdown_table(header, body), ""]
+    path.write_text("\n".join(lines))
 
 
 if __name__ == "__main__":
