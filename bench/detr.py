@@ -104,6 +104,7 @@ def main() -> None:
     for column in header:
         table.add_column(column, justify="right" if column in ("stock", "patched (msda)", "speed-up") else "left")
     body = []
+    machine_at_start = _machine()
 
     modes = ["eager"] + ([] if opts.no_compile else ["compiled"])
     for mode in modes:
@@ -136,7 +137,7 @@ def main() -> None:
                 body.append([kind, mode, precision, *cells, ratio])
                 table.add_row(*body[-1])
                 if opts.out:
-                    _write_markdown(opts.out, title, header, body)
+                    _write_markdown(opts.out, title, machine_at_start, header, body)
     Console().print(table)
 
 
@@ -153,11 +154,16 @@ def _choices(parser: argparse.ArgumentParser, option: str, text: str, allowed: t
     return chosen
 
 
-def _write_markdown(path: Path, title: str, header: list[str], body: list[list[str]]) -> None:
-    """The rows so far, under the machine's description (rewritten after every row)."""
-    from .cpu import machine, markdown_table
+def _machine() -> dict[str, str]:
+    from .cpu import machine
 
-    info = machine([torch.get_num_threads()])
+    return machine([torch.get_num_threads()])
+
+
+def _write_markdown(path: Path, title: str, info: dict[str, str], header: list[str], body: list[list[str]]) -> None:
+    """The rows so far, under the machine's description as at the start (rewritten after every row)."""
+    from .cpu import markdown_table
+
     lines = [f"# {title}", ""] + [f"- {k}: {v}" for k, v in info.items()]
     lines += [f"- command: python -m bench.detr {' '.join(sys.argv[1:])}", "", markdown_table(header, body), ""]
     path.write_text("\n".join(lines))
