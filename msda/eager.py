@@ -139,11 +139,27 @@ def _launch(launcher, grid, args, constexprs, device) -> None:
     _call_on_device(device, launcher, grid, args, constexprs, device)
 
 
-# The forward's launches as `DirectLauncher.prepare` resolved them, by `launch.forward_signature`
-# (None: that call's launch could not be prepared). With one, an eager forward skips the argument
-# builder and the launcher's key (bench/NOTES.md entry 73).
+# The launches as `DirectLauncher.prepare` resolved them, by `launch.forward_signature` and
+# `launch.backward_signature` (None: that call's launch could not be prepared). With one, an eager
+# call skips the argument builder and the launcher's key (bench/NOTES.md entries 73 and 75).
 _forward_launches: dict[tuple, object] = {}
+_backward_launches: dict[tuple, object] = {}
 _MAX_PREPARED = 256
+
+
+def _launch_prepared(launches: dict, key: tuple, tensors: tuple, device: torch.device) -> bool:
+    """Whether a launch prepared under `key` ran, on `tensors`."""
+    prepared = launches.get(key)
+    return prepared is not None and _call_on_device(device, prepared, tensors)
+
+
+def _keep_prepared(launches: dict, key: tuple, launcher, grid, args, constexprs, device) -> None:
+    """Keep under `key` the launch `launcher` has just made (at most _MAX_PREPARED of them: a
+    process of many shapes starts again)."""
+    if key not in launches:
+        if len(launches) >= _MAX_PREPARED:
+            launches.clear()
+        launches[key] = launcher.prepare(grid, args, constexprs, device)
 
 
 def launch_forward(
@@ -163,19 +179,15 @@ def launch_forward(
         key = launch.forward_signature(
             value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax
         )
-        prepared = _forward_launches.get(key)
         tensors = launch.forward_tensors(
             value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out
         )
-        if prepared is None or not _call_on_device(value.device, prepared, tensors):
+        if not _launch_prepared(_forward_launches, key, tensors, value.device):
             grid, args, constexprs = launch.forward_call(
                 value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out, softmax=softmax
             )
             _launch(_forward_kernel, grid, args, constexprs, value.device)
-            if key not in _forward_launches:
-                if len(_forward_launches) >= _MAX_PREPARED:  # (a process of many shapes: start again)
-                    _forward_launches.clear()
-                _forward_launches[key] = _forward_kernel.prepare(grid, args, constexprs, value.device)
+            _keep_prepared(_forward_launches, key, _forward_kernel, grid, args, constexprs, value.device)
     return out
 
 
@@ -214,14 +226,29 @@ def launch_backward(
             value, sampling_locations, grad_output, grad_value, softmax=softmax,
             fixed_point=fixed_point_scale is not None, replicas=replicas is not None,
         )  # fmt: skip
-        grid, args, constexprs = launch.backward_call(
-            grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-            grad_value, grad_loc, grad_attn, softmax=softmax, scratch=scratch, fixed_point_scale=fixed_point_scale,
-            replicas=replicas, lists=lists, shared_tile=shared_tile,
-        )  # fmt: skip
         # Each launch first waits for the compile the forward began (launch.compile_backward_ahead), if any.
         ahead.wait(msda_backward_kernel)
-        _launch(_backward_kernel, grid, args, constexprs, value.device)
+        # A plain call (grad_value zeros that this kernel alone adds into) may take a prepared launch.
+        plain = grad_value is not None and fixed_point_scale is None and replicas is None
+        plain = plain and not (softmax or shared_tile)
+        key = None
+        if plain:
+            key = launch.backward_signature(
+                grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_value
+            )
+            tensors = launch.backward_tensors(
+                grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                grad_value, grad_loc, grad_attn,
+            )  # fmt: skip
+        if not (plain and _launch_prepared(_backward_launches, key, tensors, value.device)):
+            grid, args, constexprs = launch.backward_call(
+                grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                grad_value, grad_loc, grad_attn, softmax=softmax, scratch=scratch,
+                fixed_point_scale=fixed_point_scale, replicas=replicas, lists=lists, shared_tile=shared_tile,
+            )  # fmt: skip
+            _launch(_backward_kernel, grid, args, constexprs, value.device)
+            if plain:
+                _keep_prepared(_backward_launches, key, _backward_kernel, grid, args, constexprs, value.device)
         if replicas is not None:
             grid, args, constexprs = launch.fold_call(grad_value, replicas, spatial_shapes, level_start_index, Q, K)
             ahead.wait(msda_fold_replicas_kernel)

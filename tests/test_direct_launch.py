@@ -211,3 +211,56 @@ def test_forward_signature_covers_what_forward_call_reads(monkeypatch):
         assert len(launches) > 50, len(launches)
         pairs = {key: resolved[2]["BF16_PAIRS"] for key, resolved in launches.items()}
         assert True in pairs.values() and False in pairs.values()
+
+
+def _backward_variants():
+    """Plain backward calls (grad_value zeros, no replicas) that differ in one thing backward_call
+    reads, or in nothing it reads: the forward's variants, with grad_outputs of other strides
+    (channels contiguous) and of another dtype, and accumulators of another dtype."""
+    from msda.kernels.backward import grad_value_buffer
+
+    variants = []
+    for value, shapes, starts, loc, attn, softmax in _forward_variants():
+        if softmax:
+            continue
+        B, Q, M, D = value.shape[0], loc.shape[1], value.shape[2], value.shape[3]
+        grad = torch.randn(B, Q, M * D, dtype=value.dtype)
+        grads = [grad, grad.transpose(0, 1).contiguous().transpose(0, 1), grad[:1].expand(B, Q, M * D)]
+        grads.append(grad.float() if value.dtype != torch.float32 else grad.double())
+        for grad_output in grads:
+            grad_value, scale, replicas = grad_value_buffer(value, grad_output, attn, Q, loc.shape[3], loc.shape[4])
+            if scale is None and replicas is None:
+                variants.append((grad_output, value, shapes, starts, loc, attn, grad_value))
+                if value.element_size() == 2:  # the other accumulator: value's dtype, or float32
+                    other = grad_value.float() if grad_value.dtype == value.dtype else grad_value.to(value.dtype)
+                    variants.append((grad_output, value, shapes, starts, loc, attn, other))
+    return variants
+
+
+def test_backward_signature_covers_what_backward_call_reads(monkeypatch):
+    """Plain backward calls with equal `launch.backward_signature` get the same grid, integers,
+    tensor dtypes and constexprs from `launch.backward_call`, on the Hopper rule and the default
+    one, and its tensor arguments are `launch.backward_tensors`' (what a prepared launch is given)."""
+    from msda.kernels import launch
+
+    variants = _backward_variants()
+    for hopper in (False, True):
+        monkeypatch.setattr(launch, "register_target", lambda device, hopper=hopper: hopper)
+        launches = {}
+        for rule in _two_rules(launch.backward_config):
+            monkeypatch.setattr(launch, "backward_config", rule)
+            for grad_output, value, shapes, starts, loc, attn, grad_value in variants:
+                grad_loc, grad_attn = torch.empty_like(loc), torch.empty_like(attn)
+                grid, args, constexprs = launch.backward_call(
+                    grad_output, value, shapes, starts, loc, attn, grad_value, grad_loc, grad_attn
+                )
+                tensors = launch.backward_tensors(
+                    grad_output, value, shapes, starts, loc, attn, grad_value, grad_loc, grad_attn
+                )
+                assert all(a is b for a, b in zip([a for a in args if type(a) is not int], tensors, strict=True))
+                resolved = (grid, tuple(a if type(a) is int else a.dtype for a in args), constexprs)
+                key = launch.backward_signature(grad_output, value, shapes, starts, loc, attn, grad_value)
+                assert launches.setdefault(key, resolved) == resolved, key
+        assert len(launches) > 100, len(launches)
+        evicted = {resolved[2]["VALUE_EVICTION"] for resolved in launches.values()}
+        assert evicted == ({"", "evict_first"} if hopper else {""})

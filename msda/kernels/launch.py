@@ -462,10 +462,30 @@ def backward_call(
     if softmax and scratch is None:
         raise ValueError("backward_call: softmax=True needs a scratch tensor")
     grid = (_cdiv(Q, constexprs["BLOCK_Q"]) * B * M,)
+    grad_output, *tensors = backward_tensors(
+        grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_value,
+        grad_loc, grad_attn, scratch=scratch if softmax else None, fixed_point_scale=fixed_point_scale,
+        replicas=replicas, lists=lists,
+    )  # fmt: skip
     args = (
+        grad_output, grad_output.stride(0), grad_output.stride(1), *tensors, Q, S,
+        0 if replicas is None else replicas.shape[1],
+    )  # fmt: skip
+    return grid, args, dict(constexprs)
+
+
+def backward_tensors(
+    grad_output: Tensor, value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor | None,
+    sampling_locations: Tensor, attention_weights: Tensor, grad_value: Tensor | None, grad_loc: Tensor,
+    grad_attn: Tensor, *, scratch: Tensor | None = None, fixed_point_scale: Tensor | None = None,
+    replicas: Tensor | None = None, lists: ListBuffers | None = None,
+) -> tuple:  # fmt: skip
+    """msda_backward_kernel's tensor arguments, in order (grad_output's two strides follow the
+    first; Q, S and the replicas' rows the last). An absent one's place takes a tensor the kernel
+    leaves alone: spatial_shapes, or the weights for `scratch` (an input, never an output: two
+    outputs that alias would trouble torch.compile's reinplacing of the kernel's writes)."""
+    return (
         grad_output,
-        grad_output.stride(0),
-        grad_output.stride(1),
         value,
         spatial_shapes,
         spatial_shapes if level_start_index is None else level_start_index,  # unread if None
@@ -476,16 +496,27 @@ def backward_call(
         spatial_shapes if fixed_point_scale is None or grad_value is None else fixed_point_scale,  # unread if None
         grad_loc,
         grad_attn,
-        # Unused without softmax: an input then, never an output (two outputs that alias would
-        # trouble torch.compile's reinplacing of the kernel's writes).
-        scratch if softmax else attention_weights,
+        attention_weights if scratch is None else scratch,  # unused without softmax
         spatial_shapes if lists is None else lists.counters,  # unwritten if None
         spatial_shapes if lists is None else lists.weights,  # unwritten if None
-        Q,
-        S,
-        0 if replicas is None else replicas.shape[1],
     )
-    return grid, args, dict(constexprs)
+
+
+def backward_signature(
+    grad_output: Tensor, value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor | None,
+    sampling_locations: Tensor, attention_weights: Tensor, grad_value: Tensor,
+) -> tuple:  # fmt: skip
+    """What `backward_call` reads of a plain call (grad_value the zeros it adds into: no softmax,
+    fixed point, replicas, lists or shared tile) on contiguous tensors and a grad_output with
+    contiguous channels, as a key: two such calls with equal keys get the same grid, integers,
+    tensor dtypes and constexprs, as `forward_signature` for the forward. Keep it in step with
+    backward_call; tests/test_direct_launch.py checks it."""
+    return (
+        grad_output.stride(), grad_output.dtype, value.shape, value.dtype, value.device,
+        spatial_shapes.dtype, None if level_start_index is None else level_start_index.dtype,
+        sampling_locations.shape, sampling_locations.dtype, attention_weights.dtype, grad_value.dtype,
+        backward_config,
+    )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)
