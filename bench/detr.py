@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from .cpu import machine, markdown_table
+
 RESNET50 = dict(embedding_size=64, hidden_sizes=[256, 512, 1024, 2048], depths=[3, 4, 6, 3], layer_type="bottleneck")
 TINY = dict(embedding_size=8, hidden_sizes=[8, 16, 16, 32], depths=[1, 1, 1, 1], layer_type="basic")
 
@@ -80,9 +82,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="also write the table as markdown to this file")
     parser.add_argument("--smoke", action="store_true", help="a tiny model on a 128 x 128 image")
     opts = parser.parse_args()
-    precisions, kinds = _choices(parser, "--precisions", opts.precisions, PRECISIONS), _choices(
-        parser, "--kinds", opts.kinds, KINDS
-    )
+    precisions = _choices(parser, "--precisions", opts.precisions, PRECISIONS)
+    kinds = _choices(parser, "--kinds", opts.kinds, KINDS)
     if opts.smoke:
         opts.size, opts.batch, opts.steps = [128, 128], 2, 2
 
@@ -104,7 +105,7 @@ def main() -> None:
     for column in header:
         table.add_column(column, justify="right" if column in ("stock", "patched (msda)", "speed-up") else "left")
     body = []
-    machine_at_start = _machine()
+    machine_at_start = machine([torch.get_num_threads()])
 
     modes = ["eager"] + ([] if opts.no_compile else ["compiled"])
     for mode in modes:
@@ -154,16 +155,8 @@ def _choices(parser: argparse.ArgumentParser, option: str, text: str, allowed: t
     return chosen
 
 
-def _machine() -> dict[str, str]:
-    from .cpu import machine
-
-    return machine([torch.get_num_threads()])
-
-
 def _write_markdown(path: Path, title: str, info: dict[str, str], header: list[str], body: list[list[str]]) -> None:
     """The rows so far, under the machine's description as at the start (rewritten after every row)."""
-    from .cpu import markdown_table
-
     lines = [f"# {title}", ""] + [f"- {k}: {v}" for k, v in info.items()]
     lines += [f"- command: python -m bench.detr {' '.join(sys.argv[1:])}", "", markdown_table(header, body), ""]
     path.write_text("\n".join(lines))

@@ -324,7 +324,7 @@ def test_detr_preset_runs_stock_and_patched():
         [sys.executable, "-m", "bench.detr", "--smoke", "--no-compile", "--device", "cpu"],
         capture_output=True,
         text=True,
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=REPO,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith(("│ inference", "│ training"))]
@@ -336,17 +336,16 @@ def test_detr_preset_rows_picked_and_written(tmp_path):
     """bench.detr's --precisions and --kinds pick the rows (one here), and --out writes them under
     the machine's description; an unknown choice is an argparse error naming it."""
     pytest.importorskip("transformers")
-    root = Path(__file__).resolve().parent.parent
     out = tmp_path / "detr.md"
     command = [sys.executable, "-m", "bench.detr", "--smoke", "--no-compile", "--device", "cpu"]
     result = subprocess.run([*command, "--precisions", "float32", "--kinds", "inference", "--out", str(out)],
-                            capture_output=True, text=True, cwd=root)  # fmt: skip
+                            capture_output=True, text=True, cwd=REPO)  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith(("│ inference", "│ training"))]
     assert len(rows) == 1 and "float32" in rows[0], result.stdout
     written = [line for line in out.read_text().splitlines() if line.startswith("| inference")]
     assert len(written) == 1 and written[0].endswith("x |") and "- torch: " in out.read_text()
-    bad = subprocess.run([*command, "--kinds", "inference,testing"], capture_output=True, text=True, cwd=root)
+    bad = subprocess.run([*command, "--kinds", "inference,testing"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and "--kinds: testing is not one of inference, training" in bad.stderr
 
 
