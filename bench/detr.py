@@ -1,7 +1,7 @@
 """What the operator's per-call cost means in a real model: a transformers Deformable DETR, stock
 against patched with csrc_free_ops.transformers.patch.
 
-    python -m bench.detr [--batch 2] [--size 800 1333] [--steps 10] [--no-compile] [--smoke]
+    python -m bench.detr [--batch 2] [--size 800 1333] [--steps 10] [--modes eager,compiled] [--smoke]
     python -m bench.detr --device cpu --no-compile --precisions float32 --kinds inference --out r.md
 
 The model is DeformableDetrForObjectDetection built from its config: a ResNet-50 backbone
@@ -11,7 +11,7 @@ MultiScaleDeformableAttention (its hub kernel is not installed on such machines)
 msda. Each of inference (no grad) and a training step (forward, a loss on the logits and boxes,
 backward) is timed eager and under torch.compile, in float32 and under bfloat16 autocast, as the
 median wall time of `--steps` steps after warm-up, with one synchronization per step. One table,
-one process; `--precisions`, `--kinds` and `--no-compile` pick rows (a CPU run of every row at
+one process; `--modes`, `--precisions` and `--kinds` pick rows (a CPU run of every row at
 800x1333 takes hours), `--out` also writes the table and the machine as markdown. `--smoke` builds
 a tiny model on a 128 x 128 image (for CPU checks of this script).
 """
@@ -76,7 +76,8 @@ def main() -> None:
     parser.add_argument("--size", type=int, nargs=2, default=[800, 1333], metavar=("H", "W"))
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--no-compile", action="store_true", help="eager rows only")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
+    parser.add_argument("--no-compile", action="store_true", help="eager rows only (--modes eager)")
     parser.add_argument("--precisions", default=",".join(PRECISIONS), help=f"of {', '.join(PRECISIONS)}")
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"of {', '.join(KINDS)}")
     parser.add_argument("--out", type=Path, help="also write the table as markdown to this file")
@@ -84,6 +85,7 @@ def main() -> None:
     opts = parser.parse_args()
     precisions = _choices(parser, "--precisions", opts.precisions, PRECISIONS)
     kinds = _choices(parser, "--kinds", opts.kinds, KINDS)
+    modes = ["eager"] if opts.no_compile else _choices(parser, "--modes", opts.modes, MODES)
     if opts.smoke:
         opts.size, opts.batch, opts.steps = [128, 128], 2, 2
 
@@ -107,7 +109,6 @@ def main() -> None:
     body = []
     machine_at_start = machine([torch.get_num_threads()])
 
-    modes = ["eager"] + ([] if opts.no_compile else ["compiled"])
     for mode in modes:
         for precision in precisions:
             autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision != "float32"
@@ -142,6 +143,7 @@ def main() -> None:
     Console().print(table)
 
 
+MODES = ("eager", "compiled")
 PRECISIONS = ("float32", "bfloat16 autocast")
 KINDS = ("inference", "training")
 

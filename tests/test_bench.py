@@ -108,6 +108,39 @@ def test_cli_defaults_and_filters_on_a_cpu():
         config_from(parse_args(["--device", "cpu", "--dtype", "float8"]))
 
 
+def test_a_cpu_backward_derived_under_load_is_measured_again(monkeypatch):
+    """On a CPU, where a spell of load leaves (forward+backward) - forward at or under zero, the
+    bench measures more rounds of turns, every sample kept, before it calls the difference noise:
+    the smoke bench failed that way beside the GPU tier's concurrent processes."""
+    loaded = {"forward": 2}  # the forward's first two turns run under load: 100 us instead of 10
+    samples = {"forward": [], "step": []}
+
+    def cpu_time(fn, threads, min_run_time):
+        name = "forward" if fn is case.forward else "step"
+        slow = name == "forward" and loaded["forward"] > 0
+        loaded["forward"] -= slow
+        samples[name].append(100.0 if slow else (10.0 if name == "forward" else 30.0))
+        return Timing([samples[name][-1]])
+
+    monkeypatch.setattr(bench_run, "cpu_time", cpu_time)
+    case = SimpleNamespace(forward=object(), step=object(), backward=None)
+    variant = next(v for v in VARIANTS if v.name == "msda")
+    rows = {p: bench_run._row({}, variant, p, "ok", "") for p in schema.PASSES}
+    bench_run._time_cpu(case, rows, threads=1, min_run_time=0.3)
+    bwd = rows["backward"]
+    assert len(samples["forward"]) == 2 * bench_run.CPU_TURNS  # one round more, then the difference is positive
+    assert bwd["e2e_us"]["median"] == pytest.approx(20.0)  # the step's 30 less the forward's median, 10
+    assert "backward = (forward+backward) - forward, 2 rounds" in bwd["notes"]
+
+    loaded["forward"] = 10**6  # under load throughout: noise after CPU_DERIVED_ROUNDS rounds, no number
+    samples = {"forward": [], "step": []}
+    rows = {p: bench_run._row({}, variant, p, "ok", "") for p in schema.PASSES}
+    bench_run._time_cpu(case, rows, threads=1, min_run_time=0.3)
+    assert len(samples["forward"]) == bench_run.CPU_DERIVED_ROUNDS * bench_run.CPU_TURNS
+    assert rows["backward"]["e2e_us"] is None
+    assert any("within the timings' noise" in n for n in rows["backward"]["notes"])
+
+
 def test_cuda_bookkeeping_with_stand_in_timers(monkeypatch):
     """The GPU path's arithmetic, on a CPU: the timers are replaced by ones that return a fixed
     time per callable (forward 10, backward 20, forward+backward 30 us; graph replay 5% more)."""
@@ -333,11 +366,11 @@ def test_detr_preset_runs_stock_and_patched():
 
 
 def test_detr_preset_rows_picked_and_written(tmp_path):
-    """bench.detr's --precisions and --kinds pick the rows (one here), and --out writes them under
-    the machine's description; an unknown choice is an argparse error naming it."""
+    """bench.detr's --modes, --precisions and --kinds pick the rows (one here), and --out writes
+    them under the machine's description; an unknown choice is an argparse error naming it."""
     pytest.importorskip("transformers")
     out = tmp_path / "detr.md"
-    command = [sys.executable, "-m", "bench.detr", "--smoke", "--no-compile", "--device", "cpu"]
+    command = [sys.executable, "-m", "bench.detr", "--smoke", "--modes", "eager", "--device", "cpu"]
     result = subprocess.run([*command, "--precisions", "float32", "--kinds", "inference", "--out", str(out)],
                             capture_output=True, text=True, cwd=REPO)  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -347,6 +380,8 @@ def test_detr_preset_rows_picked_and_written(tmp_path):
     assert len(written) == 1 and written[0].endswith("x |") and "- torch: " in out.read_text()
     bad = subprocess.run([*command, "--kinds", "inference,testing"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and "--kinds: testing is not one of inference, training" in bad.stderr
+    bad = subprocess.run([*command, "--modes", "graphed"], capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode == 2 and "--modes: graphed is not one of eager, compiled" in bad.stderr
 
 
 def test_tune_tiles_positional_and_named():
