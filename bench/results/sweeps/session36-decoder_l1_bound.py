@@ -1,3 +1,4 @@
+# Run from the repository root: PYTHONPATH=. python bench/results/sweeps/session36-decoder_l1_bound.py
 """Upper bound on L1 reuse at the float32 decoder forward: distinct corner rows per program
 (16 queries of one (b, m)) against distinct rows per group of G consecutive programs of one head
 (as if an SM held them together), with perfect caching inside the group."""
@@ -12,16 +13,15 @@ for dist in ("uniform", "local"):
     B, Q, M, L, K, _ = loc.shape
     shapes = inp.spatial_shapes.tolist()
     starts = inp.level_start_index.tolist()
-    rows = []  # per (b, m, q): tensor of corner row ids (pixel index in the flat S), -1 outside
     ids = torch.empty(B, Q, M, L, K, 4, dtype=torch.int64)
-    for l, (h, w) in enumerate(shapes):
-        x = loc[:, :, :, l, :, 0] * w - 0.5
-        y = loc[:, :, :, l, :, 1] * h - 0.5
+    for level, (h, w) in enumerate(shapes):
+        x = loc[:, :, :, level, :, 0] * w - 0.5
+        y = loc[:, :, :, level, :, 1] * h - 0.5
         x0, y0 = x.floor().long(), y.floor().long()
         for c, (dx, dy) in enumerate(((0, 0), (1, 0), (0, 1), (1, 1))):
             xx, yy = x0 + dx, y0 + dy
             ok = (xx >= 0) & (xx < w) & (yy >= 0) & (yy < h)
-            ids[:, :, :, l, :, c] = torch.where(ok, starts[l] + yy * w + xx, -1)
+            ids[:, :, :, level, :, c] = torch.where(ok, starts[level] + yy * w + xx, -1)
     total_fetch = (ids >= 0).sum().item()
     for G in (1, 2, 4, 5, 19):
         distinct = 0
