@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 36, call 4: checks not run since the prepared backward's merge (0fb54a3): the GPU fuzz
 # at 300 examples a dtype (500 took 237 s in session 32: more than the device time left), beside
-# it (as load) the CPU smoke bench whose derived backward now gets more rounds, then racecheck and initcheck over the decoder preset's backward.
+# it (as load) the CPU smoke bench whose derived backward now gets more rounds, then racecheck
+# and initcheck over the decoder preset's backward.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
