@@ -62,9 +62,10 @@ def deterministic_algorithms():
 
 
 # The sm_90 compile check (tests/test_kernels_compile.py) compiles about a thousand kernels in a
-# subprocess: half of the CPU tier's time, on one core. Started as soon as the tests are chosen,
-# it runs beside the others on another core, and its test waits for it. Not in pytest-xdist's
-# workers (each would start its own), nor on a one-core machine.
+# subprocess: minutes on one core. In one test process it starts as soon as the tests are chosen,
+# runs beside the others on another core, and its test waits for it. Not in pytest-xdist's workers
+# (each would start its own; under `-n` the worker that takes its test starts it and waits, while
+# the other workers go on), nor on a one-core machine.
 COMPILE_CHECK_TEST = "test_kernels_compile.py::test_kernels_compile_for_hopper"
 _early_compile_check = pytest.StashKey[tuple]()
 
