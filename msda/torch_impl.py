@@ -177,8 +177,10 @@ def backward(
 # --- CPU ---------------------------------------------------------------------------------------
 
 # Query rows (b * Q + q) are processed in chunks of about this many corners (4 * M * L * K each),
-# so that the per-corner tensors stay in cache and the Python overhead stays small.
-CORNERS_PER_CHUNK = 2**17
+# so that the per-corner tensors stay in cache and the ATen calls stay few: each call of a chunk
+# that ATen parallelizes wakes the other threads. 2**18 against 2**17: forwards 3-33% faster,
+# backwards even to 22% faster, the most where waking a thread is dear (bench/NOTES.md entry 81).
+CORNERS_PER_CHUNK = 2**18
 
 
 class Levels(NamedTuple):

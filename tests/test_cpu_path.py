@@ -30,7 +30,7 @@ def torch_backend(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype,loc_dtype", DTYPE_CASES, ids=lambda d: str(d).removeprefix("torch."))
-@pytest.mark.parametrize("corners_per_chunk", [1, 150, 2**17], ids=lambda n: f"chunk-{n}")
+@pytest.mark.parametrize("corners_per_chunk", [1, 150, torch_impl.CORNERS_PER_CHUNK], ids=lambda n: f"chunk-{n}")
 def test_cpu_kernels_match_reference_across_chunks(dtype, loc_dtype, corners_per_chunk, monkeypatch):
     """Chunks of one query row, of a few (straddling batch entries: 13 queries a batch entry,
     150 // (2 * 4 * 9) = 2 query rows a chunk), and the default (all at once)."""
