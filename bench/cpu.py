@@ -19,6 +19,11 @@ make every parallel region wait for a descheduled thread, a scheduler tick each 
 the 2-vCPU machine of bench/results/cpu-*.md, niced): run with OMP_WAIT_POLICY=PASSIVE there, or
 compare thread counts with care. The header prints the OpenMP environment and the load average.
 
+Before the first cell the bench frees one 31 MiB block, which puts glibc's malloc in the state of
+a process that has run a model (settle_allocator): without it a call's large temporaries can be
+returned to the system when freed and fault their pages in again at the next call, at a cost of
+up to 1.8x that fell on either variant depending on what the process had allocated before.
+
 Timing: after warm-up calls (the first compiles), the four variants of a cell and pass take turns,
 round after round, in this process; each sample is one call (CPU kernels are synchronous). The
 tables show the median and the interquartile range in ms; speedup = grid_sample's median / msda's
@@ -54,10 +59,26 @@ from msda.testing import TOLERANCE, Inputs, Shape, make_inputs, reference_with_g
 from .variants import grid_sample_msda
 
 HEADS, HEAD_DIM, POINTS, DECODER_QUERIES = 8, 32, 4, 300
+
 PASSES = ("forward", "forward+backward")
 VARIANTS = ("msda", "grid_sample", "msda compiled", "grid_sample compiled")
 GRADIENTS = ("out", "∂value", "∂loc", "∂attn")
 BOUND = TOLERANCE[torch.float32]
+
+# glibc's malloc gives a freed block above its mmap threshold (128 KiB in a new process) back to the
+# system, and trims the heap's top beyond twice that: each later call's temporaries (MiBs a chunk)
+# then fault their pages in again, up to 3,700 faults and 1.8x the time a call at 400x667's decoder
+# backward, in a process that had allocated little before (bench/NOTES.md entry 81). Freeing one
+# mmapped block raises the threshold to its size (glibc caps it at 32 MiB) and the trim threshold
+# to twice that, as any process that has run a model has done. Elsewhere this is one large
+# allocation, freed.
+SETTLE_BLOCK_BYTES = 31 * 2**20
+
+
+def settle_allocator() -> None:
+    """Put glibc's malloc in a model process's state before timing (SETTLE_BLOCK_BYTES)."""
+    block = torch.empty(SETTLE_BLOCK_BYTES, dtype=torch.uint8)
+    del block
 
 
 def msda_fn(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
@@ -203,6 +224,7 @@ def run(config: Config, console: Console, after_row: Callable = lambda rows, err
     measured at the first thread count. after_row(rows, errors) is called after every row."""
     rows, errors, checked = [], {}, set()
     log = console.print
+    settle_allocator()
     previous_threads = torch.get_num_threads()  # restored: a caller in this process keeps its own
     try:
         for threads in config.threads:
@@ -281,6 +303,7 @@ def machine(threads: list[int]) -> dict[str, str]:
         "OpenMP environment": ", ".join(f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY",
                                         "GOMP_SPINCOUNT") if k in os.environ) or "defaults",
         "load average (1, 5, 15 min) at start": load,
+        "allocator": f"a {SETTLE_BLOCK_BYTES >> 20} MiB block freed before timing (glibc's thresholds raised)",
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),
     }
 

@@ -1,8 +1,15 @@
 """The CPU preset (python -m bench.cpu): Deformable DETR's level sizes, its grid_sample formulation
 against the float64 oracle, its chunked oracle against the whole one, and a tiny run end to end
-(every variant and pass, markdown written, msda within float32's bound), and the markdown of a
-run stopped midway."""
+(every variant and pass, markdown written, msda within float32's bound), the markdown of a run
+stopped midway, and the allocator settled before timing."""
 
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 
 from bench import cpu
@@ -68,3 +75,38 @@ def test_a_stopped_run_keeps_its_rows(tmp_path, monkeypatch):
     text = out.read_text()
     assert "Incomplete" in text
     assert len([line for line in text.splitlines() if line.startswith("| 64x96") and "forward" in line]) == 2
+
+
+# A call's temporaries, 12 MiB held at once and then freed, eight times over after two warm-ups:
+# the page faults they take, in a new process, with or without bench.cpu's settle_allocator first.
+_FAULTS_OF_CALLS = """
+import resource, sys, torch
+from bench import cpu
+def call():
+    held = [torch.empty(3 * 2**18).fill_(1.0) for _ in range(4)]
+    del held
+if sys.argv[1] == "settled":
+    cpu.settle_allocator()
+call(); call()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(8):
+    call()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc thresholds")
+def test_settled_allocator_keeps_a_calls_temporaries_mapped():
+    """In a new process glibc trims the heap after each call, whose temporaries then fault their
+    pages in again at the next (24,000 faults in eight calls here); settle_allocator ends that."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+
+    def faults(state: str) -> int:
+        run = subprocess.run([sys.executable, "-c", _FAULTS_OF_CALLS, state], cwd=root, env=env,
+                             capture_output=True, text=True, check=True)
+        return int(run.stdout.split()[-1])
+
+    plain, settled = faults("plain"), faults("settled")
+    assert plain > 8 * 2000  # each call faults most of its 3,072 pages in again
+    assert settled < plain / 10
