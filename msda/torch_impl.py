@@ -178,9 +178,14 @@ def backward(
 
 # Query rows (b * Q + q) are processed in chunks of about this many corners (4 * M * L * K each),
 # so that the per-corner tensors stay in cache and the ATen calls stay few: each call of a chunk
-# that ATen parallelizes wakes the other threads. 2**18 against 2**17: forwards 3-33% faster,
-# backwards even to 22% faster, the most where waking a thread is dear (bench/NOTES.md entry 81).
+# that ATen parallelizes wakes the other threads. 2**18 against 2**17: backwards 1-13% faster,
+# forwards up to 29% (one cell 9% slower), the most where waking a thread is dear (bench/NOTES.md
+# entry 81).
 CORNERS_PER_CHUNK = 2**18
+# The backward's corner dot products gather the rows of this many bags (query and head) at a
+# time: 512 against 256, even with 1 thread, 2-6% faster with 2, 9-12% under OMP_WAIT_POLICY=PASSIVE
+# (entry 82).
+BAGS_PER_GATHER = 512
 
 
 class Levels(NamedTuple):
@@ -308,14 +313,14 @@ def _cpu_forward(value, spatial_shapes, level_start_index, sampling_locations, a
     return out.view(B, Q, M * D).to(value.dtype)
 
 
-def _corner_dots(rows_of_value: Tensor, rows: Tensor, grad: Tensor, bags_per_chunk: int = 256) -> Tensor:
-    """(bags, per_bag): <grad[bag], rows_of_value[rows[bag, j]]>, a chunk of bags at a time, so
-    that the gathered rows stay in cache. The gather is F.embedding_bag with bags of one row:
+def _corner_dots(rows_of_value: Tensor, rows: Tensor, grad: Tensor) -> Tensor:
+    """(bags, per_bag): <grad[bag], rows_of_value[rows[bag, j]]>, BAGS_PER_GATHER bags at a time,
+    so that the gathered rows stay in cache. The gather is F.embedding_bag with bags of one row:
     FBGEMM's kernel prefetches, and gathers a quarter faster than index_select."""
     bags, per_bag = rows.shape
     dots = torch.empty(rows.shape, dtype=grad.dtype)
-    for first in range(0, bags, bags_per_chunk):
-        last = min(bags, first + bags_per_chunk)
+    for first in range(0, bags, BAGS_PER_GATHER):
+        last = min(bags, first + BAGS_PER_GATHER)
         picked = F.embedding_bag(rows[first:last].reshape(-1, 1), rows_of_value, mode="sum")
         picked = picked.view(last - first, per_bag, -1).mul_(grad[first:last].unsqueeze(1))
         torch.sum(picked, -1, out=dots[first:last])
@@ -333,8 +338,10 @@ def _cpu_backward(
     # A corner outside its level has bilinear weight 0, so with finite attention weights its product
     # is 0 already. A non-finite weight must reach only the rows its sample's inside corners read:
     # made NaN, and the outside corners' products zeroed, two passes the common case skips (a CPU
-    # call is eager: the check costs no device sync; bench/NOTES.md entry 77).
-    finite = bool(torch.isfinite(attn).all())
+    # call is eager: the check costs no device sync; bench/NOTES.md entry 77). The sum is finite
+    # only if every weight is (one that overflows takes the other path, also right), and costs
+    # less than isfinite and all over every weight (entry 82).
+    finite = bool(torch.isfinite(attn.sum()))
     if not finite:
         attn = _weights(attn, ctype)
     corner_weights_of = _corner_products if finite else _corner_weights
