@@ -97,8 +97,10 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc thresholds")
 def test_settled_allocator_keeps_a_calls_temporaries_mapped():
-    """In a new process glibc trims the heap after each call, whose temporaries then fault their
-    pages in again at the next (24,000 faults in eight calls here); settle_allocator ends that."""
+    """After settle_allocator, a call's temporaries are not faulted in again at every call: under
+    a tenth of the 24,576 pages that eight calls write. (A new process without it took 24,320
+    faults on this repo's CPU machine, but one CI run's took 768: whether a new process starts
+    unsettled depends on what its imports allocated, so only the settled side is asserted.)"""
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
 
@@ -107,6 +109,5 @@ def test_settled_allocator_keeps_a_calls_temporaries_mapped():
                              capture_output=True, text=True, check=True)
         return int(run.stdout.split()[-1])
 
-    plain, settled = faults("plain"), faults("settled")
-    assert plain > 8 * 2000  # each call faults most of its 3,072 pages in again
-    assert settled < plain / 10
+    pages = 8 * 4 * 3 * 2**18 * 4 // 4096
+    assert faults("settled") < pages / 10, f"unsettled here: {faults('plain')} faults"
