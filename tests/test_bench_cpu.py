@@ -99,8 +99,8 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 def test_settled_allocator_keeps_a_calls_temporaries_mapped():
     """After settle_allocator, a call's temporaries are not faulted in again at every call: under
     a tenth of the 24,576 pages that eight calls write. (A new process without it took 24,320
-    faults on this repo's CPU machine, but one CI run's took 768: whether a new process starts
-    unsettled depends on what its imports allocated, so only the settled side is asserted.)"""
+    faults on this repo's CPU machine, but one CI run's took 768, for a reason not found: a new
+    process does not always start unsettled, so only the settled side is asserted.)"""
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
 
