@@ -276,7 +276,11 @@ def _corner_weights(samples: Samples, attn: Tensor) -> Tensor:
 
 
 def _chunks(query_rows: int, corners_per_query_row: int) -> list[tuple[int, int]]:
-    step = max(1, CORNERS_PER_CHUNK // max(1, corners_per_query_row))
+    """(first, last) query rows of the fewest chunks of at most CORNERS_PER_CHUNK corners (a row at
+    the least), equal in size but for rounding: a short last chunk cost the 2-thread 400x667
+    decoder's forward at batch 2 a fifth of its time (bench/NOTES.md entry 82)."""
+    most = max(1, CORNERS_PER_CHUNK // max(1, corners_per_query_row))
+    step = max(1, -(-query_rows // max(1, -(-query_rows // most))))
     return [(first, min(query_rows, first + step)) for first in range(0, query_rows, step)]
 
 
