@@ -59,7 +59,6 @@ from msda.testing import TOLERANCE, Inputs, Shape, make_inputs, reference_with_g
 from .variants import grid_sample_msda
 
 HEADS, HEAD_DIM, POINTS, DECODER_QUERIES = 8, 32, 4, 300
-
 PASSES = ("forward", "forward+backward")
 VARIANTS = ("msda", "grid_sample", "msda compiled", "grid_sample compiled")
 GRADIENTS = ("out", "∂value", "∂loc", "∂attn")

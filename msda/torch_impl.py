@@ -179,8 +179,8 @@ def backward(
 # Query rows (b * Q + q) are processed in chunks of about this many corners (4 * M * L * K each),
 # so that the per-corner tensors stay in cache and the ATen calls stay few: each call of a chunk
 # that ATen parallelizes wakes the other threads. 2**18 against 2**17: backwards 1-13% faster,
-# forwards up to 29% (one cell 9% slower), the most where waking a thread is dear (bench/NOTES.md
-# entry 81).
+# forwards up to 29% (one cell 9% slower, won back by equal chunks: `_chunks`), the most where
+# waking a thread is dear (bench/NOTES.md entry 81).
 CORNERS_PER_CHUNK = 2**18
 # The backward's corner dot products gather the rows of this many bags (query and head) at a
 # time: 512 against 256, even with 1 thread, 2-6% faster with 2, 9-12% under OMP_WAIT_POLICY=PASSIVE
@@ -279,8 +279,9 @@ def _chunks(query_rows: int, corners_per_query_row: int) -> list[tuple[int, int]
     """(first, last) query rows of the fewest chunks of at most CORNERS_PER_CHUNK corners (a row at
     the least), equal in size but for rounding: a short last chunk cost the 2-thread 400x667
     decoder's forward at batch 2 a fifth of its time (bench/NOTES.md entry 82)."""
-    most = max(1, CORNERS_PER_CHUNK // max(1, corners_per_query_row))
-    step = max(1, -(-query_rows // max(1, -(-query_rows // most))))
+    most = max(1, CORNERS_PER_CHUNK // max(1, corners_per_query_row))  # query rows a chunk
+    count = max(1, -(-query_rows // most))  # ceil: the fewest chunks
+    step = max(1, -(-query_rows // count))  # ceil: as equal as they can be
     return [(first, min(query_rows, first + step)) for first in range(0, query_rows, step)]
 
 
