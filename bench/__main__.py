@@ -81,6 +81,12 @@ def config_from(opts: argparse.Namespace) -> Config:
         variants = [v for v in variants if any(fnmatch.fnmatchcase(v.name, p) for p in opts.variants)]
         if not variants:
             raise SystemExit(f"no variant matches {opts.variants}: see --list-variants")
+        # `--peers NAME` asks for that peer's rows: say so if --variants leaves none of them,
+        # rather than run a bench without the comparison it was started for.
+        left_out = [peer for peer in opts.peers or [] if not any(v.peer == peer for v in variants)]
+        if left_out:
+            names = ", ".join(v.name for v in VARIANTS if v.peer in left_out)
+            raise SystemExit(f"--peers {' '.join(left_out)}, but --variants matches none of its variants ({names})")
 
     return Config(
         presets=list(dict.fromkeys(presets)),

@@ -106,6 +106,11 @@ def test_cli_defaults_and_filters_on_a_cpu():
     assert not any(v.peer for v in config_from(parse_args(["--device", "cpu", "--peers"])).variants)
     with pytest.raises(SystemExit):
         config_from(parse_args(["--device", "cpu", "--dtype", "float8"]))
+    # A peer named with --peers whose variants --variants filters out: an error, not a bench without it.
+    with pytest.raises(SystemExit, match="--peers deformops, but --variants matches none"):
+        config_from(parse_args(["--device", "cpu", "--variants", "msda", "--peers", "deformops"]))
+    config = config_from(parse_args(["--device", "cpu", "--variants", "msda", "deformops", "--peers", "deformops"]))
+    assert [v.name for v in config.variants] == ["msda", "deformops"]
 
 
 def test_a_cpu_backward_derived_under_load_is_measured_again(monkeypatch):
