@@ -23,6 +23,7 @@ matches an exact computation of `x * W - 0.5`; float32 accumulation (float64 for
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -192,9 +193,10 @@ class Levels(NamedTuple):
     """Per-level constants of one call, repeated for each of a query's L*K sample columns."""
 
     size: Tensor  # (2, L*K) float64: (W, H), in the order of the locations' (x, y)
+    far: Tensor  # (2, L*K) float64: W + 2 and H + 2, where `_samples` clamps positions past the level
     last: Tensor  # (2, 1, L*K) int: the last corner coordinate inside the level, W - 1 and H - 1
     stride: Tensor  # (2, 1, L*K) int: rows of value.view(B*S*M, D) per step in x (M) and in y (W * M)
-    start: Tensor  # (L*K,) int: the row of the level's first pixel for batch entry 0 and head 0
+    head_rows: Tensor  # (M, L*K) int: the row of the level's first pixel for batch entry 0 and each head
     rows_per_batch: int  # S * M
     queries: int  # Q
 
@@ -208,38 +210,71 @@ class Samples(NamedTuple):
     inside: Tensor  # [x | y, corner 0 | 1]: the corner coordinate lies inside the level
 
 
+class _Constants(NamedTuple):
+    """The small constant tensors of `_samples` and `_cpu_backward`, made once per dtype pair:
+    each ATen call costs microseconds, and a decoder's chunk makes only a few dozen (bench/NOTES.md
+    entry 84). Shared between calls: never written."""
+
+    one_and_a_half: Tensor  # float64 1.5
+    zero: Tensor  # float64 0
+    zero_index: Tensor  # 0 in the index dtype
+    corner_offsets: Tensor  # (2, 1) index: the corners' coordinates from floor() + 2, -2 and -1
+    weight_at_0: Tensor  # (2, 1) ctype: the corners' 1-D weights at f = 0, 1 and 0 ...
+    weight_slope: Tensor  # (2, 1) ctype: ... and their slopes in f (and in position), -1 and +1
+
+
+@functools.cache
+def _constants(index: torch.dtype, ctype: torch.dtype) -> _Constants:
+    return _Constants(
+        one_and_a_half=torch.tensor(1.5, dtype=torch.float64),
+        zero=torch.zeros((), dtype=torch.float64),
+        zero_index=torch.zeros((), dtype=index),
+        corner_offsets=torch.tensor([[-2], [-1]], dtype=index),
+        weight_at_0=torch.tensor([[1.0], [0.0]], dtype=ctype),
+        weight_slope=torch.tensor([[-1.0], [1.0]], dtype=ctype),
+    )
+
+
 def _levels(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor, sampling_locations: Tensor) -> Levels:
     B, S, M, _ = value.shape
     _, Q, _, L, K, _ = sampling_locations.shape
     # int32 rows when every row of value and every corner fits: FBGEMM and the sort are faster.
     index = torch.int32 if max(B * S * M, 2 * sampling_locations.numel()) < 2**31 else torch.int64
+    # The levels as Python numbers (CPU tensors, which the operator has checked: reading them is free).
+    heights, widths = zip(*spatial_shapes.tolist())
+    tensors = _level_tensors(heights, widths, tuple(level_start_index.tolist()), M, K, index)
+    return Levels(*tensors, rows_per_batch=S * M, queries=Q)
 
-    def per_sample(level_values: Tensor, dtype: torch.dtype) -> Tensor:  # (..., L) -> (..., L*K)
-        return level_values.to(dtype).unsqueeze(-1).expand(*level_values.shape, K).flatten(-2)
 
-    size = spatial_shapes.to(torch.int64).flip(1).t()  # (2, L)
-    stride = torch.stack((torch.full_like(size[0], M), size[0] * M))
-    return Levels(
-        size=per_sample(size, torch.float64),
-        last=per_sample(size - 1, index).unsqueeze(1),
-        stride=per_sample(stride, index).unsqueeze(1),
-        start=per_sample(level_start_index.to(torch.int64) * M, index),
-        rows_per_batch=S * M,
-        queries=Q,
-    )
+@functools.lru_cache(maxsize=64)
+def _level_tensors(heights: tuple, widths: tuple, starts: tuple, M: int, K: int, index: torch.dtype) -> tuple:
+    """Levels' tensor fields, made from the levels' numbers once for each set of them (a few
+    calls, where computing them from the tensors took a few dozen: bench/NOTES.md entry 84).
+    Shared between calls: never written."""
+
+    def per_sample(level_values) -> list:  # L values -> L*K, each repeated K times
+        return [v for v in level_values for _ in range(K)]
+
+    W, H = per_sample(widths), per_sample(heights)
+    size = torch.tensor([W, H], dtype=torch.float64)
+    head_rows = [[start * M + m for start in per_sample(starts)] for m in range(M)]
+    last_and_stride = [[w - 1 for w in W], [h - 1 for h in H], [M] * len(W), [w * M for w in W]]
+    ints = torch.tensor([*last_and_stride, *head_rows], dtype=index)
+    return size, size + 2, ints[0:2].unsqueeze(1), ints[2:4].unsqueeze(1), ints[4:]
 
 
 def _samples(levels: Levels, locations: Tensor, first: int, ctype: torch.dtype) -> Samples:
     """The corners of `locations`, (n, M, L*K, 2): query rows first .. first + n."""
     n, M, LK, _ = locations.shape
-    index = levels.start.dtype
+    index = levels.last.dtype
+    constants = _constants(index, ctype)
     # Positions in pixels, pixel centres at integer + 0.5 (grid_sample's align_corners=False): the
     # cell is floor(x * W - 0.5). Computed as x * W + 1.5 in float64, exact for float32 locations,
     # so that every position kept is positive and its integer conversion is floor() + 2.
     p = torch.empty((n, M, 2, LK), dtype=torch.float64)
-    torch.addcmul(torch.tensor(1.5, dtype=torch.float64), locations.transpose(-1, -2), levels.size, out=p)
+    torch.addcmul(constants.one_and_a_half, locations.transpose(-1, -2), levels.size, out=p)
     # Far, infinite and NaN positions to 0 or W + 2: both corners outside, the conversion defined.
-    torch.clamp(p, torch.zeros((), dtype=torch.float64), levels.size + 2, out=p)
+    torch.clamp(p, constants.zero, levels.far, out=p)
     p.nan_to_num_(nan=0.0)
     cell = p.to(index)
     f = torch.empty(p.shape, dtype=ctype)
@@ -247,16 +282,23 @@ def _samples(levels: Levels, locations: Tensor, first: int, ctype: torch.dtype) 
 
     # (n, M, 2 [x, y], 2 [corner], L*K): each corner's coordinate, clamped into the level for its
     # row (a corner outside reads an in-range row, with weight 0).
-    corner = cell.unsqueeze(-2) + torch.tensor([[-2], [-1]], dtype=index)
-    clamped = torch.clamp(corner, torch.zeros((), dtype=index), levels.last)
+    corner = cell.unsqueeze(-2) + constants.corner_offsets
+    clamped = torch.clamp(corner, constants.zero_index, levels.last)
     inside = clamped == corner
-    one_minus_f_then_f = torch.tensor([[1.0], [0.0]], dtype=ctype), torch.tensor([[-1.0], [1.0]], dtype=ctype)
-    weight = torch.where(inside, torch.addcmul(one_minus_f_then_f[0], f.unsqueeze(-2), one_minus_f_then_f[1]), 0.0)
+    weight = torch.where(
+        inside, torch.addcmul(constants.weight_at_0, f.unsqueeze(-2), constants.weight_slope), 0.0
+    )
     offset = clamped.mul_(levels.stride)
-    # The row of each query row's level pixel 0: (b * S + start) * M + m.
-    batch = torch.arange(first, first + n, dtype=index).div_(levels.queries, rounding_mode="floor")
-    base = (batch * levels.rows_per_batch).view(n, 1, 1) + torch.arange(M, dtype=index).view(M, 1) + levels.start
-    rows = (offset[:, :, 1] + base.unsqueeze(2)).unsqueeze(-2) + offset[:, :, 0].unsqueeze(-3)
+    # The row of each query row's level pixel 0, (b * S + start) * M + m: one batch entry's for a
+    # chunk inside one (the common case), else each query row's.
+    batch_first, batch_last = first // levels.queries, (first + n - 1) // levels.queries
+    if batch_first == batch_last:
+        batch_rows = batch_first * levels.rows_per_batch
+    else:
+        batch = torch.arange(first, first + n, dtype=index).div_(levels.queries, rounding_mode="floor")
+        batch_rows = batch.mul_(levels.rows_per_batch).view(n, 1, 1, 1)
+    base = levels.head_rows.unsqueeze(1) + batch_rows  # (M or n x M, 1, L*K)
+    rows = (offset[:, :, 1] + base).unsqueeze(-2) + offset[:, :, 0].unsqueeze(-3)
     return Samples(rows=rows, weight=weight, inside=inside)
 
 
@@ -354,9 +396,9 @@ def _cpu_backward(
     grad = grad_output.reshape(B * Q * M, D).to(ctype)
     per_bag = 4 * L * K
     size = levels.size.to(ctype).t()  # (L*K, 2)
-    slope_of = torch.tensor([[-1.0], [1.0]], dtype=ctype)  # d weight / d position of corners 0, 1
+    slope_of = _constants(levels.last.dtype, ctype).weight_slope  # d weight / d position of corners 0, 1
 
-    rows = torch.empty(B * Q * M * per_bag, dtype=levels.start.dtype)
+    rows = torch.empty(B * Q * M * per_bag, dtype=levels.last.dtype)
     weights = torch.empty(B * Q * M * per_bag, dtype=ctype)
     grad_loc = torch.empty((B * Q, M, L * K, 2), dtype=ctype)
     grad_attn = torch.empty((B * Q, M, L * K), dtype=ctype)
