@@ -53,7 +53,15 @@ def eligible(value, spatial_shapes, level_start_index, *tensors) -> bool:
         and type(spatial_shapes) is Tensor
         and (level_start_index is None or type(level_start_index) is Tensor)
         and all(type(t) is Tensor for t in tensors)
-        and not torch.compiler.is_compiling()
+        and untraced()
+    )
+
+
+def untraced() -> bool:
+    """Nothing compiling or tracing, no dispatch mode, torch.func transform or forward-mode AD:
+    an eager call may skip the operator (msda/eager_cpu.py asks it too)."""
+    return (
+        not torch.compiler.is_compiling()
         and torch._C._len_torch_dispatch_stack() == 0
         and torch._C._functorch.peek_interpreter_stack() is None
         and torch.autograd.forward_ad._current_level < 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import derivatives, eager, validation
+from . import derivatives, eager, eager_cpu, validation
 from .validation import check_tensor
 
 
@@ -83,6 +83,11 @@ def _call(value, spatial_shapes, level_start_index, sampling_locations, attentio
         return eager.differentiable_forward(
             value, spatial_shapes, level_start_index, sampling_locations, attention, softmax
         )
+    if eager_cpu.eligible(value, spatial_shapes, level_start_index, sampling_locations, attention):
+        # Eager CPU call: the CPU path without the operator's dispatch cost (msda/eager_cpu.py).
+        if level_start_index is None:
+            level_start_index = level_start_index_from_shapes(spatial_shapes)
+        return eager_cpu.forward(value, spatial_shapes, level_start_index, sampling_locations, attention, softmax)
     if level_start_index is None:
         level_start_index = level_start_index_from_shapes(spatial_shapes)
     # The dispatcher rejects a non-tensor (a list, a nested tensor) with its own RuntimeError or

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import msda
-from msda import ops, torch_impl
+from msda import eager_cpu, ops, torch_impl
 from msda.testing import Shape, make_inputs, reference_with_grads, relative_error
 
 from .helpers import assert_matches_reference, forward_backward, random_like_output
@@ -55,8 +55,10 @@ def test_cpu_kernels_match_reference_across_chunks(dtype, loc_dtype, corners_per
 
 @pytest.mark.parametrize("dist", ["uniform", "local"])
 def test_generic_path_matches_reference_on_cpu(dist, monkeypatch):
-    """The index_select / index_add_ path, run on CPU tensors as if they were another device's."""
+    """The index_select / index_add_ path, run on CPU tensors as if they were another device's
+    (whose calls the CPU fast path, msda/eager_cpu.py, does not take)."""
     monkeypatch.setattr(torch_impl, "_is_eager_cpu", lambda *tensors: False)
+    monkeypatch.setattr(eager_cpu, "eligible", lambda *tensors: False)
     inputs = make_inputs(SHAPE, torch.float32, dist=dist, outside_fraction=0.2, seed=22)
     grad_output = random_like_output(inputs)
     with mock.patch.object(torch_impl, "_cpu_forward") as fwd, mock.patch.object(torch_impl, "_cpu_backward") as bwd:
