@@ -106,6 +106,23 @@ def test_location_gradient_cell_choice_is_exact_at_detr_sizes():
     assert errors["grad_sampling_locations"] <= 1e-6
 
 
+def test_level_tensors_cached_under_inference_mode_serve_later_autograd_calls():
+    """The per-level tensors and constants are cached across calls (`_level_tensors`, `_constants`):
+    made first inside torch.inference_mode() they are inference tensors, which a later call with
+    gradients must still be able to read (never write, never save for backward)."""
+    torch_impl._level_tensors.cache_clear()
+    torch_impl._constants.cache_clear()
+    inputs = make_inputs(SHAPE, torch.float32, outside_fraction=0.2, seed=23)
+    grad_output = random_like_output(inputs)
+    with torch.inference_mode():
+        inference_out = msda.multi_scale_deformable_attention(*inputs.args())
+    assert torch_impl._level_tensors.cache_info().currsize == 1
+    results = forward_backward(inputs, grad_output)
+    assert torch_impl._level_tensors.cache_info().hits >= 1
+    assert torch.equal(results[0], inference_out)
+    assert_matches_reference(inputs, results, grad_output)
+
+
 def test_compiled_operator_runs_the_cpu_kernels():
     """torch.compile keeps torch.ops.msda.forward / backward whole on CPU (not traced into its
     body): at run time the compiled graph calls the CPU kernels, once per forward and backward."""
