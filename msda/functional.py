@@ -83,13 +83,11 @@ def _call(value, spatial_shapes, level_start_index, sampling_locations, attentio
         return eager.differentiable_forward(
             value, spatial_shapes, level_start_index, sampling_locations, attention, softmax
         )
-    if eager_cpu.eligible(value, spatial_shapes, level_start_index, sampling_locations, attention):
-        # Eager CPU call: the CPU path without the operator's dispatch cost (msda/eager_cpu.py).
-        if level_start_index is None:
-            level_start_index = level_start_index_from_shapes(spatial_shapes)
-        return eager_cpu.forward(value, spatial_shapes, level_start_index, sampling_locations, attention, softmax)
     if level_start_index is None:
         level_start_index = level_start_index_from_shapes(spatial_shapes)
+    if eager_cpu.eligible(value, spatial_shapes, level_start_index, sampling_locations, attention):
+        # Eager CPU call: the CPU path without the operator's dispatch cost (msda/eager_cpu.py).
+        return eager_cpu.forward(value, spatial_shapes, level_start_index, sampling_locations, attention, softmax)
     # The dispatcher rejects a non-tensor (a list, a nested tensor) with its own RuntimeError or
     # NotImplementedError before the operator's checks run: catch those here as TypeErrors.
     args = dict(
