@@ -13,8 +13,9 @@ an autograd.Function with the operator's signature whose forward allocates the o
 backward allocates the three gradients, with no kernel: what any Python autograd Function costs
 through the engine (`torch.autograd.grad`), before its kernels. `--chain N`: N calls of the
 operator, then one backward for all of them, per call, as in a model whose backward covers every
-layer: the engine's fixed cost a backward shared among the calls. deformops is timed where it
-is importable. bench/NOTES.md entries 15, 40 and 42 read these.
+layer: the engine's fixed cost a backward shared among the calls. The extension-module drop-in
+is timed inside the autograd.Function of Deformable DETR's models/ops that calls it, beside the
+same Function on torch.ops.msda.*. deformops is timed where it is importable. bench/NOTES.md entries 15, 40 and 42 read these.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ import argparse
 import statistics
 
 import torch
+from torch.autograd.function import once_differentiable
 
 import msda
+from csrc_free_ops import extension
 from msda import eager
 from msda.testing import PRESETS, Shape, make_inputs
 
@@ -45,6 +48,33 @@ class _NoopFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         value, loc, attn = ctx.saved_tensors
         return torch.empty_like(value), None, None, torch.empty_like(loc), torch.empty_like(attn)
+
+
+def _extension_function(forward, backward):
+    """The autograd.Function of Deformable DETR's models/ops, around an extension's
+    `forward(value, shapes, starts, loc, attn)` and `backward(value, ..., attn, grad_output)`."""
+
+    class ExtensionFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+            ctx.save_for_backward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+            return forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+
+        @staticmethod
+        @once_differentiable
+        def backward(ctx, grad_output):
+            grad_value, grad_loc, grad_attn = backward(*ctx.saved_tensors, grad_output)
+            return grad_value, None, None, grad_loc, grad_attn
+
+    return ExtensionFunction.apply
+
+
+# The extension-module drop-in (csrc_free_ops.extension) in that Function, and the same Function
+# on the registered operator (what the drop-in cost before it took the eager fast paths).
+_DROP_IN_FUNCTION = _extension_function(extension.ms_deform_attn_forward, extension.ms_deform_attn_backward)
+_OPERATOR_FUNCTION = _extension_function(
+    torch.ops.msda.forward, lambda *args_then_grad: torch.ops.msda.backward(args_then_grad[-1], *args_then_grad[:-1])
+)
 
 
 def rows(shape: Shape, dtype: torch.dtype, chain: int, device: str = "cuda") -> dict:
@@ -90,6 +120,11 @@ def rows(shape: Shape, dtype: torch.dtype, chain: int, device: str = "cuda") -> 
         "  no grad, level_start_index=None": (no_grad(lambda: f(value, shapes, None, loc, attn)), False),
         "torch.ops.msda.forward": (no_grad(lambda: torch.ops.msda.forward(value, shapes, starts, loc, attn)), False),
         "msda functional forward + backward": (step(f), True),
+        "extension drop-in forward, no grad": (
+            no_grad(lambda: extension.ms_deform_attn_forward(value, shapes, starts, loc, attn)), False
+        ),
+        "extension drop-in in its Function: forward + backward": (step(_DROP_IN_FUNCTION), True),
+        "  that Function on torch.ops.msda.*: forward + backward": (step(_OPERATOR_FUNCTION), True),
         "  forward + backward, level_start_index=None": (step(f, None), True),
         f"noop-function x {chain}, one backward, per call": (chained(_NoopFunction.apply), True),
         f"msda x {chain}, one backward, per call": (chained(f), True),

@@ -1,15 +1,16 @@
 """The `MultiScaleDeformableAttention` extension module of Deformable DETR and DINO, on msda.
 
 The two functions have the compiled extension's signatures. `im2col_step` is accepted and
-ignored: msda needs no batch chunking, so a batch it does not divide is fine.
+ignored: msda needs no batch chunking, so a batch it does not divide is fine. In eager mode they
+take msda's fast paths (msda/eager.py, msda/eager_cpu.py), which skip the registered operator's
+dispatch cost; anything traced goes through torch.ops.msda.*.
 """
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-import msda  # noqa: F401  (registers torch.ops.msda.*)
+from msda import eager
 
 
 def ms_deform_attn_forward(
@@ -21,7 +22,7 @@ def ms_deform_attn_forward(
     im2col_step: int = 64,
 ) -> Tensor:
     """(B, Q, M * D) output; the arguments are laid out as in `torch.ops.msda.forward`."""
-    return torch.ops.msda.forward(value, spatial_shapes, level_start_index, sampling_loc, attn_weight)
+    return eager.forward(value, spatial_shapes, level_start_index, sampling_loc, attn_weight)
 
 
 def ms_deform_attn_backward(
@@ -34,6 +35,4 @@ def ms_deform_attn_backward(
     im2col_step: int = 64,
 ) -> list[Tensor]:
     """[grad_value, grad_sampling_loc, grad_attn_weight], a list as the C++ extension returns."""
-    return list(
-        torch.ops.msda.backward(grad_output, value, spatial_shapes, level_start_index, sampling_loc, attn_weight)
-    )
+    return list(eager.backward(grad_output, value, spatial_shapes, level_start_index, sampling_loc, attn_weight))

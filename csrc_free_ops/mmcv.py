@@ -20,7 +20,7 @@ from types import ModuleType, SimpleNamespace
 import torch
 from torch import Tensor
 
-from msda import multi_scale_deformable_attention
+from msda import eager, multi_scale_deformable_attention
 
 from .extension import ms_deform_attn_forward
 
@@ -31,8 +31,9 @@ class MultiScaleDeformableAttnFunction:
     """mmcv's autograd Function, on msda: `apply(value, value_spatial_shapes,
     value_level_start_index, sampling_locations, attention_weights, im2col_step)`.
 
-    msda's operator carries its own autograd, so `apply` is a plain call; `im2col_step` is
-    ignored. Mixed precision needs no cast: the output has value's dtype, each gradient its input's.
+    msda's functional form carries its own autograd (and takes msda's eager fast paths), so
+    `apply` is a plain call; `im2col_step` is ignored. Mixed precision needs no cast: the output
+    has value's dtype, each gradient its input's.
     """
 
     @staticmethod
@@ -44,7 +45,7 @@ class MultiScaleDeformableAttnFunction:
         attention_weights: Tensor,
         im2col_step: int = 64,
     ) -> Tensor:
-        return torch.ops.msda.forward(
+        return multi_scale_deformable_attention(
             value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights
         )
 
@@ -71,7 +72,7 @@ def ms_deform_attn_backward(
     im2col_step: int = 64,
 ) -> None:
     """mmcv's `ext_module` backward: writes into the three zero-initialised gradient tensors."""
-    grads = torch.ops.msda.backward(grad_output, value, spatial_shapes, level_start_index, sampling_loc, attn_weight)
+    grads = eager.backward(grad_output, value, spatial_shapes, level_start_index, sampling_loc, attn_weight)
     for out, grad in zip((grad_value, grad_sampling_loc, grad_attn_weight), grads):
         out.copy_(grad)
 

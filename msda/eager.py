@@ -7,8 +7,9 @@ on plain CUDA tensors with nothing tracing them, the functional form, the layer 
 drop-ins call `forward` / `backward` here instead, which check the arguments and launch the
 compiled kernels directly (msda/kernels/direct.py), with a `torch.autograd.Function` for
 gradients. `softmax=True` is the same for the softmax operators (msda::forward_softmax /
-msda::backward_softmax: attention logits in place of the weights). Everything else
-(torch.compile, export, fake tensors, torch.func transforms, forward-mode AD, CPU) goes through
+msda::backward_softmax: attention logits in place of the weights). Plain CPU tensors take the
+CPU's fast path (msda/eager_cpu.py), to which `forward` / `backward` pass them. Everything else
+(torch.compile, export, fake tensors, torch.func transforms, forward-mode AD) goes through
 `torch.ops.msda.*`, the same kernels.
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import ops, torch_impl, validation
+from . import eager_cpu, ops, torch_impl, validation
 
 if ops.HAS_TRITON:
     from .kernels import ahead, launch
@@ -53,18 +54,7 @@ def eligible(value, spatial_shapes, level_start_index, *tensors) -> bool:
         and type(spatial_shapes) is Tensor
         and (level_start_index is None or type(level_start_index) is Tensor)
         and all(type(t) is Tensor for t in tensors)
-        and untraced()
-    )
-
-
-def untraced() -> bool:
-    """Nothing compiling or tracing, no dispatch mode, torch.func transform or forward-mode AD:
-    an eager call may skip the operator (msda/eager_cpu.py asks it too)."""
-    return (
-        not torch.compiler.is_compiling()
-        and torch._C._len_torch_dispatch_stack() == 0
-        and torch._C._functorch.peek_interpreter_stack() is None
-        and torch.autograd.forward_ad._current_level < 0
+        and validation.untraced()
     )
 
 
@@ -116,13 +106,8 @@ def _check(value, spatial_shapes, level_start_index, sampling_locations, attenti
     if level_start_index is None:
         validation.check_tensor("spatial_shapes", spatial_shapes)
         level_start_index = _starts(spatial_shapes, None)
-    validation.check_forward_args(
-        value, spatial_shapes, level_start_index, sampling_locations, attention_weights, _weights_name(softmax)
-    )
-
-
-def _weights_name(softmax: bool) -> str:
-    return "attention_logits" if softmax else "attention_weights"
+    name = validation.weights_name(softmax)
+    validation.check_forward_args(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, name)
 
 
 def _contiguous(*tensors: Tensor | None):
@@ -303,8 +288,9 @@ def _kernel_backward_eligible(
 def backward(
     grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax=False
 ):
-    """(grad_value, grad_loc, grad_attn): the backward kernel where eligible, else the operator
-    (msda::backward, or msda::backward_softmax with softmax=True)."""
+    """(grad_value, grad_loc, grad_attn): the backward kernel where eligible (on CPU with grad
+    mode off, the CPU path's backward), else the operator (msda::backward, or
+    msda::backward_softmax with softmax=True)."""
     if _kernel_backward_eligible(
         grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights
     ):
@@ -315,16 +301,20 @@ def backward(
             starts = _starts(spatial_shapes, level_start_index)
             validation.check_backward_args(
                 grad_output, value, spatial_shapes, starts, sampling_locations, attention_weights,
-                _weights_name(softmax),
+                validation.weights_name(softmax),
             )  # fmt: skip
         return launch_backward(
             grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax
         )
+    starts = _starts(spatial_shapes, level_start_index)
+    if not torch.is_grad_enabled() and eager_cpu.eligible(
+        value, spatial_shapes, starts, sampling_locations, attention_weights, grad_output
+    ):  # the CPU path's backward without the operator's dispatch (msda/eager_cpu.py)
+        return eager_cpu.backward(
+            grad_output, value, spatial_shapes, starts, sampling_locations, attention_weights, softmax
+        )
     op = torch.ops.msda.backward_softmax if softmax else torch.ops.msda.backward
-    return op(
-        grad_output, value, spatial_shapes, _starts(spatial_shapes, level_start_index), sampling_locations,
-        attention_weights,
-    )  # fmt: skip
+    return op(grad_output, value, spatial_shapes, starts, sampling_locations, attention_weights)
 
 
 class _Function(torch.autograd.Function):
@@ -365,12 +355,15 @@ def differentiable_forward(
 
 
 def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax=False) -> Tensor:
-    """The operator's forward, differentiable: the eager fast path where eligible, else
-    torch.ops.msda.forward (torch.ops.msda.forward_softmax with softmax=True, the last tensor
-    then holding logits). level_start_index may be None."""
+    """The operator's forward, differentiable: the eager fast path where eligible (on CPU, the
+    one of msda/eager_cpu.py), else torch.ops.msda.forward (torch.ops.msda.forward_softmax with
+    softmax=True, the last tensor then holding logits). level_start_index may be None."""
     if eligible(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
         return differentiable_forward(
             value, spatial_shapes, level_start_index, sampling_locations, attention_weights, softmax
         )
+    starts = _starts(spatial_shapes, level_start_index)
+    if eager_cpu.eligible(value, spatial_shapes, starts, sampling_locations, attention_weights):
+        return eager_cpu.forward(value, spatial_shapes, starts, sampling_locations, attention_weights, softmax)
     op = torch.ops.msda.forward_softmax if softmax else torch.ops.msda.forward
-    return op(value, spatial_shapes, _starts(spatial_shapes, level_start_index), sampling_locations, attention_weights)
+    return op(value, spatial_shapes, starts, sampling_locations, attention_weights)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import eager, ops, torch_impl, validation
+from . import ops, torch_impl, validation
 
 
 def eligible(value, spatial_shapes, level_start_index, *tensors) -> bool:
@@ -28,20 +28,27 @@ def eligible(value, spatial_shapes, level_start_index, *tensors) -> bool:
             type(t) is Tensor and t.device.type == "cpu"
             for t in (value, spatial_shapes, *tensors, *([] if level_start_index is None else [level_start_index]))
         )
-        and eager.untraced()
+        and validation.untraced()
     )
 
 
 def forward(value, spatial_shapes, level_start_index, sampling_locations, attention, softmax=False) -> Tensor:
     """The operator's forward (its softmax form with softmax=True: `attention` holds logits),
     differentiable, on tensors `eligible` accepted."""
-    validation.check_forward_args(
-        value, spatial_shapes, level_start_index, sampling_locations, attention,
-        "attention_logits" if softmax else "attention_weights",
-    )  # fmt: skip
+    name = validation.weights_name(softmax)
+    validation.check_forward_args(value, spatial_shapes, level_start_index, sampling_locations, attention, name)
     if torch.is_grad_enabled() and (value.requires_grad or sampling_locations.requires_grad or attention.requires_grad):
         return _Function.apply(value, spatial_shapes, level_start_index, sampling_locations, attention, softmax)
     return _cpu_forward(value, spatial_shapes, level_start_index, sampling_locations, attention, softmax)
+
+
+def backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention, softmax=False):
+    """The operator's backward (of its softmax form with softmax=True): (grad_value, grad_loc,
+    grad_attention), on tensors `eligible` accepted, with grad mode off (a graph of the backward
+    needs the operator, which has the double backward)."""
+    args = (grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention)
+    validation.check_backward_args(*args, validation.weights_name(softmax))
+    return _cpu_backward(*args, softmax)
 
 
 def _cpu_forward(value, spatial_shapes, level_start_index, sampling_locations, attention, softmax):
@@ -49,6 +56,12 @@ def _cpu_forward(value, spatial_shapes, level_start_index, sampling_locations, a
     if softmax:
         attention = torch_impl.softmax_weights(attention, value, sampling_locations)
     return torch_impl._cpu_forward(value, spatial_shapes, level_start_index, sampling_locations, attention)
+
+
+def _cpu_backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention, softmax):
+    """What the backward operators' bodies run on eager CPU tensors."""
+    args = (grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention)
+    return torch_impl.backward_softmax(*args) if softmax else torch_impl._cpu_backward(*args)
 
 
 class _Function(torch.autograd.Function):
@@ -63,12 +76,10 @@ class _Function(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         saved = ctx.saved_tensors
-        if torch.is_grad_enabled() or not eager.untraced():
+        if torch.is_grad_enabled() or not validation.untraced():
             # create_graph (the operator has the double backward), compiled autograd: the operator.
             op = torch.ops.msda.backward_softmax if ctx.softmax else torch.ops.msda.backward
             grad_value, grad_loc, grad_attn = op(grad_output, *saved)
-        elif ctx.softmax:  # autograd hands over a grad_output of the output's shape, dtype and device
-            grad_value, grad_loc, grad_attn = torch_impl.backward_softmax(grad_output, *saved)
-        else:
-            grad_value, grad_loc, grad_attn = torch_impl._cpu_backward(grad_output, *saved)
+        else:  # autograd hands over a grad_output of the output's shape, dtype and device
+            grad_value, grad_loc, grad_attn = _cpu_backward(grad_output, *saved, ctx.softmax)
         return grad_value, None, None, grad_loc, grad_attn, None

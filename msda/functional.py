@@ -95,7 +95,7 @@ def _call(value, spatial_shapes, level_start_index, sampling_locations, attentio
         spatial_shapes=spatial_shapes,
         level_start_index=level_start_index,
         sampling_locations=sampling_locations,
-        **{"attention_logits" if softmax else "attention_weights": attention},
+        **{validation.weights_name(softmax): attention},
     )
     for name, arg in args.items():
         check_tensor(name, arg)

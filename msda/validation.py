@@ -140,6 +140,11 @@ def check_forward_args(
         _check_levels(S, spatial_shapes, level_start_index)
 
 
+def weights_name(softmax: bool) -> str:
+    """The name errors give the last tensor: the softmax operators take logits."""
+    return "attention_logits" if softmax else "attention_weights"
+
+
 def check_backward_args(
     grad_output: Tensor,
     value: Tensor,
@@ -177,6 +182,18 @@ def _is_eager(*tensors: Tensor) -> bool:
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
     return get_proxy_mode() is None
+
+
+def untraced() -> bool:
+    """Nothing compiling or tracing, no dispatch mode, torch.func transform or forward-mode AD:
+    an eager call may skip the operator (msda/eager.py, msda/eager_cpu.py). `_is_eager`'s
+    question in a few attribute reads, for the fast paths."""
+    return (
+        not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and torch._C._functorch.peek_interpreter_stack() is None
+        and forward_ad._current_level < 0
+    )
 
 
 def _is_eager_cpu(*tensors: Tensor) -> bool:

@@ -44,7 +44,7 @@ tier() {
   pytest_log gpu_graphs 300 tests/gpu/test_gpu_compile.py tests/gpu/test_gpu_cuda_graphs.py tests/gpu/test_gpu_export.py & pids+=($!)
   pytest_log gpu_numerics 300 tests/gpu/test_gpu_numerics.py tests/gpu/test_gpu_opcheck.py tests/gpu/test_gpu_streams.py \
     tests/gpu/test_gpu_two_devices.py tests/gpu/test_gpu_transformers.py tests/gpu/test_gpu_softmax.py \
-    tests/gpu/test_gpu_shared_tile.py tests/gpu/test_gpu_compile_ahead.py & pids+=($!)
+    tests/gpu/test_gpu_shared_tile.py tests/gpu/test_gpu_compile_ahead.py tests/gpu/test_gpu_drop_ins.py & pids+=($!)
   # Data checks, non-finite weights, threads/streams/memory/out-of-memory, DDP and FSDP2 (two GPUs).
   pytest_log gpu_contract 600 tests/gpu/test_gpu_validate.py tests/gpu/test_gpu_non_finite.py \
     tests/gpu/test_gpu_under_load.py tests/gpu/test_gpu_distributed.py & pids+=($!)

@@ -4,11 +4,13 @@
 import importlib
 import sys
 from types import ModuleType
+from unittest import mock
 
 import pytest
 import torch
 
 import csrc_free_ops
+from msda import eager, eager_cpu, ops
 from msda.testing import Shape, make_inputs
 
 from .helpers import assert_matches_reference, forward_backward, random_like_output
@@ -69,6 +71,45 @@ def test_deformable_detr_function_matches_reference(models_ops, im2col_step, dty
         return models_ops.apply(value, shapes, starts, loc, attn, im2col_step)
 
     assert_matches_reference(inputs, forward_backward(inputs, grad_output, through_extension), grad_output)
+
+
+def test_eager_cpu_calls_take_the_fast_path_and_match_the_operator(models_ops, monkeypatch):
+    """The model code's Function on CPU tensors: the extension's forward and backward run the CPU
+    path's functions without the registered operator (msda/eager_cpu.py), bitwise as it does."""
+    monkeypatch.setattr(ops, "BACKEND", "torch")  # the CPU path, under any MSDA_BACKEND
+    inputs = make_inputs(SHAPE, torch.float32, outside_fraction=0.1, seed=6)
+    grad_output = random_like_output(inputs)
+    with (
+        mock.patch.object(eager_cpu, "forward", wraps=eager_cpu.forward) as fast_forward,
+        mock.patch.object(eager_cpu, "backward", wraps=eager_cpu.backward) as fast_backward,
+    ):
+        got = forward_backward(inputs, grad_output, lambda *args: models_ops.apply(*args, 64))
+        assert fast_forward.call_count == 1 and fast_backward.call_count == 1
+
+        def operator(value, shapes, starts, loc, attn):
+            return torch.ops.msda.forward(value, shapes, starts, loc, attn)
+
+        want = forward_backward(inputs, grad_output, operator)
+        assert fast_forward.call_count == 1 and fast_backward.call_count == 1
+    for name, a, b in zip(("output", "grad_value", "grad_loc", "grad_attn"), got, want):
+        assert torch.equal(a, b), name
+
+
+def test_backward_with_grad_mode_on_goes_through_the_operator(monkeypatch):
+    """A backward that records a graph (create_graph) needs the operator's double backward: the
+    CPU fast path's backward is for grad mode off only."""
+    monkeypatch.setattr(ops, "BACKEND", "torch")
+    inputs = make_inputs(SHAPE, torch.float64, seed=7)
+    grad_output = random_like_output(inputs)
+    value = inputs.value.detach().clone().requires_grad_()
+    args = (value, *inputs.args()[1:])
+    with mock.patch.object(eager_cpu, "backward", wraps=eager_cpu.backward) as fast_backward:
+        with torch.enable_grad():
+            grad_value, _, _ = eager.backward(grad_output, *args)
+        assert fast_backward.call_count == 0 and grad_value.requires_grad
+        with torch.no_grad():
+            eager.backward(grad_output, *args)
+        assert fast_backward.call_count == 1
 
 
 def test_backward_returns_a_list_of_three_gradients(monkeypatch):

@@ -10,10 +10,13 @@ import importlib.machinery
 import sys
 import textwrap
 
+from unittest import mock
+
 import pytest
 import torch
 
 from csrc_free_ops import mmcv as mmcv_patch
+from msda import eager_cpu, ops, torch_impl
 from msda.testing import Shape, make_inputs, reference
 
 from .helpers import assert_matches_reference, forward_backward, random_like_output
@@ -113,6 +116,29 @@ def test_function_apply_matches_reference_for_any_im2col_step():
         return mmcv_patch.MultiScaleDeformableAttnFunction.apply(value, shapes, starts, loc, attn, 2)
 
     assert_matches_reference(inputs, forward_backward(inputs, grad_output, apply), grad_output)
+
+
+def test_function_apply_and_ext_module_take_the_cpu_fast_path(monkeypatch):
+    """On eager CPU tensors mmcv's Function and ext_module's backward skip the registered
+    operator (msda/eager_cpu.py)."""
+    monkeypatch.setattr(ops, "BACKEND", "torch")  # the CPU path, under any MSDA_BACKEND
+    inputs = make_inputs(SHAPE, outside_fraction=0.1, seed=8)
+    grad_output = random_like_output(inputs)
+    grads = [torch.zeros_like(t) for t in (inputs.value, inputs.sampling_locations, inputs.attention_weights)]
+
+    def apply(value, shapes, starts, loc, attn):
+        return mmcv_patch.MultiScaleDeformableAttnFunction.apply(value, shapes, starts, loc, attn, 2)
+
+    with (
+        mock.patch.object(eager_cpu, "forward", wraps=eager_cpu.forward) as fast_forward,
+        mock.patch.object(eager_cpu, "backward", wraps=eager_cpu.backward) as fast_backward,
+        mock.patch.object(torch_impl, "_cpu_backward", wraps=torch_impl._cpu_backward) as cpu_backward,
+    ):
+        forward_backward(inputs, grad_output, apply)
+        assert (fast_forward.call_count, cpu_backward.call_count) == (1, 1)
+        with torch.no_grad():  # as in mmcv's once-differentiable backward
+            mmcv_patch.ext_module.ms_deform_attn_backward(*inputs.args(), grad_output, *grads, im2col_step=2)
+        assert fast_backward.call_count == 1
 
 
 def test_pytorch_fallback_matches_reference_with_tensor_or_list_shapes():
