@@ -15,7 +15,8 @@ through the engine (`torch.autograd.grad`), before its kernels. `--chain N`: N c
 operator, then one backward for all of them, per call, as in a model whose backward covers every
 layer: the engine's fixed cost a backward shared among the calls. The extension-module drop-in
 is timed inside the autograd.Function of Deformable DETR's models/ops that calls it, beside the
-same Function on torch.ops.msda.*. deformops is timed where it is importable. bench/NOTES.md entries 15, 40 and 42 read these.
+same Function on torch.ops.msda.*. deformops is timed where it is importable. bench/NOTES.md
+entries 15, 40, 42 and 85 read these.
 """
 
 from __future__ import annotations
