@@ -8,6 +8,7 @@ from unittest import mock
 
 import pytest
 import torch
+import torch._dynamo.testing
 
 import csrc_free_ops
 from msda import eager, eager_cpu, ops
@@ -24,6 +25,7 @@ SHAPE = Shape(batch=3, queries=11, heads=2, head_dim=8, levels=((7, 9), (4, 5), 
 # backward that unpacks the extension's list.
 MODELS_OPS_FUNCTIONS = """
 import torch
+import torch._dynamo.testing
 from torch.autograd.function import Function, once_differentiable
 
 import MultiScaleDeformableAttention as MSDA
@@ -93,6 +95,27 @@ def test_eager_cpu_calls_take_the_fast_path_and_match_the_operator(models_ops, m
         assert fast_forward.call_count == 1 and fast_backward.call_count == 1
     for name, a, b in zip(("output", "grad_value", "grad_loc", "grad_attn"), got, want):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("drop_in", ["extension", "mmcv"])
+def test_drop_ins_compile_fullgraph_and_match_eager(models_ops, drop_in):
+    """Inside torch.compile the drop-ins' fast paths step aside for the operator, with no graph
+    break: Deformable DETR's Function around the extension, and mmcv's Function."""
+    from csrc_free_ops import mmcv as mmcv_patch
+
+    function = models_ops if drop_in == "extension" else mmcv_patch.MultiScaleDeformableAttnFunction
+
+    def loss(value, shapes, starts, loc, attn):
+        return function.apply(value, shapes, starts, loc, attn, 64).square().sum()
+
+    inputs = make_inputs(SHAPE, torch.float32, outside_fraction=0.1, seed=9)
+    grad_output = torch.ones(())
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = forward_backward(inputs, grad_output, torch.compile(loss, backend=counter, fullgraph=True))
+    assert counter.frame_count == 1
+    for got, want in zip(compiled, forward_backward(inputs, grad_output, loss)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_backward_with_grad_mode_on_goes_through_the_operator(monkeypatch):
