@@ -74,7 +74,10 @@ def _extension_function(forward, backward):
 # on the registered operator (what the drop-in cost before it took the eager fast paths).
 _DROP_IN_FUNCTION = _extension_function(extension.ms_deform_attn_forward, extension.ms_deform_attn_backward)
 _OPERATOR_FUNCTION = _extension_function(
-    torch.ops.msda.forward, lambda *args_then_grad: torch.ops.msda.backward(args_then_grad[-1], *args_then_grad[:-1])
+    torch.ops.msda.forward,
+    lambda value, shapes, starts, loc, attn, grad_output: torch.ops.msda.backward(
+        grad_output, value, shapes, starts, loc, attn
+    ),
 )
 
 

@@ -25,7 +25,6 @@ SHAPE = Shape(batch=3, queries=11, heads=2, head_dim=8, levels=((7, 9), (4, 5), 
 # backward that unpacks the extension's list.
 MODELS_OPS_FUNCTIONS = """
 import torch
-import torch._dynamo.testing
 from torch.autograd.function import Function, once_differentiable
 
 import MultiScaleDeformableAttention as MSDA
