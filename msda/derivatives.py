@@ -25,78 +25,16 @@ floor() picks); the second derivative there is that of the same cell.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
-
-def _compute_dtype(*tensors: Tensor | None) -> torch.dtype:
-    """float64 if any input is float64, else float32 (the operator's accumulation dtype)."""
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+from .torch_impl import compute_dtype, corners, finite_weights, gather
 
 
-def _finite_or_nan(attention_weights: Tensor) -> Tensor:
-    """A non-finite weight becomes NaN: its (batch, query, head) output is NaN (docs/correctness.md)."""
-    return torch.where(torch.isfinite(attention_weights), attention_weights, torch.nan)
-
-
-class _Corner(NamedTuple):
-    row: Tensor  # (B, Q, M, L, K) row of value.reshape(B * S * M, D); 0 where outside
-    inside: Tensor  # (B, Q, M, L, K) bool
-    wx: Tensor  # x factor of the bilinear weight
-    wy: Tensor  # y factor
-    sx: float  # d wx / d x_im
-    sy: float  # d wy / d y_im
-
-
-def _level_sizes_and_corners(
-    value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor, sampling_locations: Tensor, ctype: torch.dtype
-) -> tuple[Tensor, Tensor, list[_Corner]]:
-    """(W, H) of each sample's level as (1, 1, 1, L, 1) `ctype` tensors, and its four corners."""
-    B, S, M, _ = value.shape
-    L = spatial_shapes.shape[0]
-    device = value.device
-    shapes = spatial_shapes.to(torch.int64)
-    h = shapes[:, 0].view(1, 1, 1, L, 1)
-    w = shapes[:, 1].view(1, 1, 1, L, 1)
-    start = level_start_index.to(torch.int64).view(1, 1, 1, L, 1)
-    pos = torch.float32 if device.type == "mps" else torch.float64  # as the operator places samples
-    x = sampling_locations[..., 0].to(pos) * w.to(pos) - 0.5
-    y = sampling_locations[..., 1].to(pos) * h.to(pos) - 0.5
-    touches = (x > -1) & (x < w) & (y > -1) & (y < h)  # False for NaN and +-inf
-    x = torch.where(touches, x, 0.0)
-    y = torch.where(touches, y, 0.0)
-    x0f, y0f = x.floor(), y.floor()
-    fx, fy = (x - x0f).to(ctype), (y - y0f).to(ctype)
-    x0, y0 = x0f.to(torch.int64), y0f.to(torch.int64)
-    batch = torch.arange(B, device=device).view(-1, 1, 1, 1, 1)
-    head = torch.arange(M, device=device).view(1, 1, -1, 1, 1)
-    corners = []
-    for dy in (0, 1):
-        for dx in (0, 1):
-            xi, yi = x0 + dx, y0 + dy
-            pixel = start + yi * w + xi
-            inside = touches & (xi >= 0) & (xi < w) & (yi >= 0) & (yi < h) & (pixel >= 0) & (pixel < S)
-            row = (batch * S + torch.where(inside, pixel, 0)) * M + head
-            corners.append(
-                _Corner(
-                    row=row,
-                    inside=inside,
-                    wx=fx if dx else 1 - fx,
-                    wy=fy if dy else 1 - fy,
-                    sx=1.0 if dx else -1.0,
-                    sy=1.0 if dy else -1.0,
-                )
-            )
-    return w.to(ctype), h.to(ctype), corners
-
-
-def _gather(value: Tensor, corner: _Corner, ctype: torch.dtype) -> Tensor:
-    """(B, Q, M, L, K, D) corner rows of `value`, exactly zero outside."""
-    D = value.shape[-1]
-    rows = value.reshape(-1, D).index_select(0, corner.row.reshape(-1)).view(*corner.row.shape, D)
-    return torch.where(corner.inside.unsqueeze(-1), rows.to(ctype), 0.0)
+def _level_sizes(spatial_shapes: Tensor, ctype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(W, H) of each sample's level as (1, 1, 1, L, 1) `ctype` tensors."""
+    shapes = spatial_shapes.to(ctype).view(1, 1, 1, -1, 2)
+    return shapes[..., 1:], shapes[..., :1]
 
 
 def location_jvp(
@@ -112,15 +50,16 @@ def location_jvp(
     sum_{l,k,c} A * (dx * W * sx_c * wy_c + dy * H * sy_c * wx_c) * v_c."""
     B, _, M, D = value.shape
     Q = sampling_locations.shape[1]
-    ctype = _compute_dtype(value, sampling_locations, attention_weights, sampling_locations_tangent)
-    W, H, corners = _level_sizes_and_corners(value, spatial_shapes, level_start_index, sampling_locations, ctype)
-    attn = _finite_or_nan(attention_weights.to(ctype))
+    ctype = compute_dtype(value, sampling_locations, attention_weights, sampling_locations_tangent)
+    W, H = _level_sizes(spatial_shapes, ctype)
+    attn = finite_weights(attention_weights, ctype)
     tx = sampling_locations_tangent[..., 0].to(ctype) * W  # tangent of x_im
     ty = sampling_locations_tangent[..., 1].to(ctype) * H
+    rows_of_value = value.reshape(-1, D)
     out = torch.zeros((B, Q, M, D), dtype=ctype, device=value.device)
-    for c in corners:
-        coefficient = attn * (tx * c.sx * c.wy + ty * c.sy * c.wx)
-        out = out + (coefficient.unsqueeze(-1) * _gather(value, c, ctype)).sum(dim=(3, 4))
+    for c in corners(value, spatial_shapes, level_start_index, sampling_locations, ctype):
+        coefficient = attn * (tx * c.sign_x * c.wy + ty * c.sign_y * c.wx)
+        out = out + (coefficient.unsqueeze(-1) * gather(rows_of_value, c, ctype)).sum(dim=(3, 4))
     return out.view(B, Q, M * D)
 
 
@@ -143,7 +82,7 @@ def forward_jvp(
     """
     B, _, M, D = value.shape
     Q = sampling_locations.shape[1]
-    ctype = _compute_dtype(value, sampling_locations, attention_weights)
+    ctype = compute_dtype(value, sampling_locations, attention_weights)
     total = torch.zeros((B, Q, M * D), dtype=ctype, device=value.device)
     args = (spatial_shapes, level_start_index, sampling_locations)
     if value_tangent is not None:
@@ -174,9 +113,9 @@ def _location_cotangent_terms(
     dT/d attention_weights), in the compute dtype. (dT/d grad_output is `location_jvp`.)"""
     B, S, M, D = value.shape
     Q = sampling_locations.shape[1]
-    ctype = _compute_dtype(grad_output, value, sampling_locations, attention_weights, grad_loc_cotangent)
-    W, H, corners = _level_sizes_and_corners(value, spatial_shapes, level_start_index, sampling_locations, ctype)
-    attn = _finite_or_nan(attention_weights.to(ctype))
+    ctype = compute_dtype(grad_output, value, sampling_locations, attention_weights, grad_loc_cotangent)
+    W, H = _level_sizes(spatial_shapes, ctype)
+    attn = finite_weights(attention_weights, ctype)
     g = grad_output.reshape(B, Q, M, 1, 1, D).to(ctype)
     tx = grad_loc_cotangent[..., 0].to(ctype) * W
     ty = grad_loc_cotangent[..., 1].to(ctype) * H
@@ -184,11 +123,12 @@ def _location_cotangent_terms(
     grad_rows = torch.zeros((B * S * M, D), dtype=ctype, device=value.device)
     grad_attn = torch.zeros(attn.shape, dtype=ctype, device=value.device)
     twist = torch.zeros_like(grad_attn)  # sum_c sx_c sy_c <g, v_c>
-    for c in corners:
-        dot = (_gather(value, c, ctype) * g).sum(-1)  # <g, v_c>, zero outside
-        coefficient = tx * c.sx * c.wy + ty * c.sy * c.wx
+    rows_of_value = value.reshape(-1, D)
+    for c in corners(value, spatial_shapes, level_start_index, sampling_locations, ctype):
+        dot = (gather(rows_of_value, c, ctype) * g).sum(-1)  # <g, v_c>, zero outside
+        coefficient = tx * c.sign_x * c.wy + ty * c.sign_y * c.wx
         grad_attn = grad_attn + coefficient * dot
-        twist = twist + (c.sx * c.sy) * dot
+        twist = twist + (c.sign_x * c.sign_y) * dot
         scatter = torch.where(c.inside, attn * coefficient, 0.0).unsqueeze(-1) * g
         grad_rows = grad_rows.index_add(0, c.row.reshape(-1), scatter.reshape(-1, D))
     grad_loc = torch.stack((W * attn * ty * twist, H * attn * tx * twist), dim=-1)
@@ -215,7 +155,7 @@ def backward_backward(ctx, grad_value_cotangent, grad_loc_cotangent, grad_attn_c
     grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights = ctx.saved_tensors
     needs_g, needs_value, _, _, needs_loc, needs_attn = ctx.needs_input_grad
     args = (spatial_shapes, level_start_index, sampling_locations)
-    ctype = _compute_dtype(grad_output, value, sampling_locations, attention_weights)
+    ctype = compute_dtype(grad_output, value, sampling_locations, attention_weights)
     cV, cL, cA = grad_value_cotangent, grad_loc_cotangent, grad_attn_cotangent
 
     # Each gradient is a sum of terms, one per nonzero cotangent that reaches it.

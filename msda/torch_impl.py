@@ -42,14 +42,20 @@ def compute_dtype(*tensors: Tensor) -> torch.dtype:
 class Corner(NamedTuple):
     row: Tensor  # (B, Q, M, L, K) int64 row of value.view(B * S * M, D); 0 where masked
     inside: Tensor  # (B, Q, M, L, K) bool: the corner lies inside its level
-    weight: Tensor  # bilinear weight, 0 where masked
-    dweight_dx: Tensor  # d weight / d x_im, 0 where masked
-    dweight_dy: Tensor  # d weight / d y_im, 0 where masked
+    weight: Tensor  # bilinear weight wx * wy, 0 where masked
+    dweight_dx: Tensor  # d weight / d x_im = sign_x * wy, 0 where masked
+    dweight_dy: Tensor  # d weight / d y_im = sign_y * wx, 0 where masked
+    wx: Tensor  # the weight's x factor (fx or 1 - fx), not masked: msda/derivatives.py's terms
+    wy: Tensor  # its y factor
+    sign_x: float  # d wx / d x_im: +1 for a right corner, -1 for a left one
+    sign_y: float  # d wy / d y_im
 
 
-def _corners(
+def corners(
     value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor, sampling_locations: Tensor, ctype: torch.dtype
 ) -> Iterator[Corner]:
+    """The four corners of each sample's cell, placed as the kernels place samples (also what
+    msda/derivatives.py differentiates)."""
     B, S, M, _ = value.shape
     L = spatial_shapes.shape[0]
     device = value.device
@@ -90,10 +96,14 @@ def _corners(
                 weight=torch.where(inside, wx * wy, zero),
                 dweight_dx=torch.where(inside, sign_x * wy, zero),
                 dweight_dy=torch.where(inside, sign_y * wx, zero),
+                wx=wx,
+                wy=wy,
+                sign_x=sign_x,
+                sign_y=sign_y,
             )
 
 
-def _weights(attention_weights: Tensor, ctype: torch.dtype) -> Tensor:
+def finite_weights(attention_weights: Tensor, ctype: torch.dtype) -> Tensor:
     """The weights in `ctype`, a non-finite one (+-inf, NaN) replaced by NaN: such a sample makes
     its (batch, query, head) output NaN whether or not it lands in its level, as the kernels do
     (docs/correctness.md, "Non-finite attention weights")."""
@@ -101,7 +111,7 @@ def _weights(attention_weights: Tensor, ctype: torch.dtype) -> Tensor:
     return torch.where(torch.isfinite(attn), attn, torch.nan)
 
 
-def _gather(rows_of_value: Tensor, corner: Corner, ctype: torch.dtype) -> Tensor:
+def gather(rows_of_value: Tensor, corner: Corner, ctype: torch.dtype) -> Tensor:
     """(B, Q, M, L, K, D) corner values, exactly 0 where the corner is outside (even if value is inf)."""
     picked = rows_of_value.index_select(0, corner.row.reshape(-1)).view(*corner.row.shape, rows_of_value.shape[1])
     picked = picked.to(ctype)
@@ -121,10 +131,10 @@ def forward(
     Q = sampling_locations.shape[1]
     ctype = compute_dtype(value, sampling_locations, attention_weights)
     rows_of_value = value.reshape(-1, D)
-    attn = _weights(attention_weights, ctype)
+    attn = finite_weights(attention_weights, ctype)
     out = torch.zeros((B, Q, M, D), dtype=ctype, device=value.device)
-    for corner in _corners(value, spatial_shapes, level_start_index, sampling_locations, ctype):
-        weighted = (attn * corner.weight).unsqueeze(-1) * _gather(rows_of_value, corner, ctype)
+    for corner in corners(value, spatial_shapes, level_start_index, sampling_locations, ctype):
+        weighted = (attn * corner.weight).unsqueeze(-1) * gather(rows_of_value, corner, ctype)
         out = out + weighted.sum(dim=(3, 4))
     return out.view(B, Q, M * D).to(value.dtype)
 
@@ -145,16 +155,16 @@ def backward(
     Q = sampling_locations.shape[1]
     ctype = compute_dtype(value, sampling_locations, attention_weights)
     rows_of_value = value.reshape(-1, D)
-    attn = _weights(attention_weights, ctype)
+    attn = finite_weights(attention_weights, ctype)
     grad_out = grad_output.reshape(B, Q, M, 1, 1, D).to(ctype)
 
     grad_rows = torch.zeros(rows_of_value.shape, dtype=ctype, device=value.device)
     grad_attn = torch.zeros(attn.shape, dtype=ctype, device=value.device)
     grad_x = torch.zeros_like(grad_attn)
     grad_y = torch.zeros_like(grad_attn)
-    for corner in _corners(value, spatial_shapes, level_start_index, sampling_locations, ctype):
+    for corner in corners(value, spatial_shapes, level_start_index, sampling_locations, ctype):
         # <grad_out, corner value>: everything but grad_value needs only this dot product.
-        dot = (_gather(rows_of_value, corner, ctype) * grad_out).sum(-1)
+        dot = (gather(rows_of_value, corner, ctype) * grad_out).sum(-1)
         grad_attn = grad_attn + corner.weight * dot
         grad_x = grad_x + corner.dweight_dx * dot
         grad_y = grad_y + corner.dweight_dy * dot
@@ -390,7 +400,7 @@ def _cpu_backward(
     # less than isfinite and all over every weight (entry 82).
     finite = bool(torch.isfinite(attn.sum()))
     if not finite:
-        attn = _weights(attn, ctype)
+        attn = finite_weights(attn, ctype)
     corner_weights_of = _corner_products if finite else _corner_weights
     rows_of_value = value.reshape(-1, D).to(ctype)
     grad = grad_output.reshape(B * Q * M, D).to(ctype)
