@@ -1,10 +1,10 @@
 """GPU tier: the extension-module and mmcv drop-ins take the eager fast path on CUDA.
 
 Deformable DETR's Function (through `MultiScaleDeformableAttention` as csrc_free_ops.install()
-provides it) and mmcv's Function and ext_module backward launch the compiled kernels directly
-(msda/eager.py), without the registered operator: the operator's forward bit for bit, its location
-and weight gradients bit for bit (no atomics in them), grad_value within the bound (atomic adds in
-another order), all within the bound of the float64 oracle.
+provides it), mmcv's Function and mmcv's ext_module forward and backward launch the compiled
+kernels directly (msda/eager.py), without the registered operator: the operator's forward bit for
+bit, its location and weight gradients bit for bit (no atomics in them), grad_value within the
+bound (atomic adds in another order), all within the bound of the float64 oracle.
 """
 
 from unittest import mock
@@ -46,15 +46,20 @@ def test_drop_ins_launch_the_kernels_directly(drop_in, dtype, request):
     _assert_is_the_operators(inputs, grad_output, fast)
 
 
-def test_mmcv_ext_module_backward_launches_the_kernel_directly():
-    """mmcv's once-differentiable backward (grad mode off) writes into its zeroed gradients."""
+def test_mmcv_ext_module_launches_the_kernels_directly():
+    """mmcv's ext_module, as its once-differentiable Function calls it (grad mode off): the
+    forward returns the output, the backward writes into its zeroed gradients."""
     inputs = make_inputs(PRESETS["decoder"], torch.float16, "cuda", outside_fraction=0.1, seed=12)
     grad_output = random_like_output(inputs)
     grads = [torch.zeros_like(t) for t in (inputs.value, inputs.sampling_locations, inputs.attention_weights)]
-    with mock.patch.object(eager, "launch_backward", wraps=eager.launch_backward) as backward_spy, torch.no_grad():
+    with (
+        mock.patch.object(eager, "launch_forward", wraps=eager.launch_forward) as forward_spy,
+        mock.patch.object(eager, "launch_backward", wraps=eager.launch_backward) as backward_spy,
+        torch.no_grad(),
+    ):
+        out = mmcv_patch.ext_module.ms_deform_attn_forward(*inputs.args(), im2col_step=64)
         mmcv_patch.ext_module.ms_deform_attn_backward(*inputs.args(), grad_output, *grads, im2col_step=64)
-    assert backward_spy.call_count == 1
-    out = torch.ops.msda.forward(*inputs.args())
+    assert forward_spy.call_count == 1 and backward_spy.call_count == 1
     _assert_is_the_operators(inputs, grad_output, (out, *grads))
 
 
