@@ -2,17 +2,33 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from unittest import mock
 
 import torch
 from torch import Tensor
 
 import msda
+from msda import ops
 from msda.kernels import backward as backward_kernel
 from msda.kernels import deterministic, launch
 from msda.testing import Inputs, reference_with_grads, relative_error, tolerance
 
 GRAD_NAMES = ("output", "grad_value", "grad_sampling_locations", "grad_attention_weights")
+
+
+@contextlib.contextmanager
+def operator_bodies():
+    """Counts the registered operators' bodies entered (msda::forward, msda::backward and their
+    softmax forms each check their arguments first, through msda.ops' own names for the checks;
+    the eager fast paths check theirs through msda.validation): `entered()` is 0 where every call
+    skipped the operator."""
+    with (
+        mock.patch.object(ops, "check_forward_args", wraps=ops.check_forward_args) as forward,
+        mock.patch.object(ops, "check_backward_args", wraps=ops.check_backward_args) as backward,
+    ):
+        yield lambda: forward.call_count + backward.call_count
 
 
 def forward_backward(inputs: Inputs, grad_output: Tensor, fn=msda.multi_scale_deformable_attention):

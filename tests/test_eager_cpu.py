@@ -13,7 +13,7 @@ import msda
 from msda import eager_cpu, ops, torch_impl
 from msda.testing import Shape, make_inputs
 
-from .helpers import forward_backward, random_like_output
+from .helpers import forward_backward, operator_bodies, random_like_output
 
 SHAPE = Shape(batch=2, queries=7, heads=2, head_dim=4, levels=((5, 6), (3, 2), (1, 1)), points=2)
 
@@ -37,24 +37,36 @@ def test_eager_cpu_calls_skip_the_operator_and_match_it(softmax, dtype):
     with (
         mock.patch.object(eager_cpu, "forward", wraps=eager_cpu.forward) as fast,
         mock.patch.object(torch_impl, "_cpu_backward", wraps=torch_impl._cpu_backward) as cpu_backward,
+        operator_bodies() as entered,
     ):
         got = forward_backward(inputs, grad_output, functional)
-    assert fast.call_count == 1 and cpu_backward.call_count == 1
-    with mock.patch.object(eager_cpu, "forward", wraps=eager_cpu.forward) as fast:
+    assert fast.call_count == 1 and cpu_backward.call_count == 1 and entered() == 0
+    with mock.patch.object(eager_cpu, "forward", wraps=eager_cpu.forward) as fast, operator_bodies() as entered:
         want = forward_backward(inputs, grad_output, _operator(softmax))
-    assert fast.call_count == 0
+    assert fast.call_count == 0 and entered() == 2  # the operator's forward and backward
     for name, a, b in zip(("output", "grad_value", "grad_loc", "grad_attn"), got, want):
         assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
 def test_level_start_index_none_and_no_grad():
-    inputs = make_inputs(SHAPE, torch.float32, seed=4)
+    """level_start_index=None takes the fast path too; under no_grad, on inputs that require grad,
+    it records no autograd Function (and with grad mode on it does)."""
+    inputs = make_inputs(SHAPE, torch.float32, seed=4, requires_grad=True)
     value, shapes, starts, loc, attn = inputs.args()
-    with mock.patch.object(eager_cpu, "_Function", wraps=eager_cpu._Function) as function:
+    with (
+        mock.patch.object(eager_cpu, "_Function", wraps=eager_cpu._Function) as function,
+        mock.patch.object(eager_cpu, "forward", wraps=eager_cpu.forward) as fast,
+        operator_bodies() as entered,
+    ):
         with torch.no_grad():
             out = msda.multi_scale_deformable_attention(value, shapes, None, loc, attn)
-        assert function.apply.call_count == 0
-    assert torch.equal(out, torch.ops.msda.forward(value, shapes, starts, loc, attn))
+        assert function.apply.call_count == 0 and fast.call_count == 1 and entered() == 0
+        assert not out.requires_grad
+        with_grad = msda.multi_scale_deformable_attention(value, shapes, None, loc, attn)
+        assert function.apply.call_count == 1 and fast.call_count == 2 and entered() == 0
+    assert with_grad.requires_grad
+    with torch.no_grad():
+        assert torch.equal(out, torch.ops.msda.forward(value, shapes, starts, loc, attn))
 
 
 def test_double_backward_goes_through_the_operator():

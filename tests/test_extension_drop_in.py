@@ -14,7 +14,7 @@ import csrc_free_ops
 from msda import eager, eager_cpu, ops
 from msda.testing import Shape, make_inputs
 
-from .helpers import assert_matches_reference, forward_backward, random_like_output
+from .helpers import assert_matches_reference, forward_backward, operator_bodies, random_like_output
 
 # Batch 3: im2col_step 2 does not divide it (the compiled op would refuse), 64 exceeds it.
 SHAPE = Shape(batch=3, queries=11, heads=2, head_dim=8, levels=((7, 9), (4, 5), (2, 3)), points=3)
@@ -83,15 +83,16 @@ def test_eager_cpu_calls_take_the_fast_path_and_match_the_operator(models_ops, m
     with (
         mock.patch.object(eager_cpu, "forward", wraps=eager_cpu.forward) as fast_forward,
         mock.patch.object(eager_cpu, "backward", wraps=eager_cpu.backward) as fast_backward,
+        operator_bodies() as entered,
     ):
         got = forward_backward(inputs, grad_output, lambda *args: models_ops.apply(*args, 64))
-        assert fast_forward.call_count == 1 and fast_backward.call_count == 1
+        assert fast_forward.call_count == 1 and fast_backward.call_count == 1 and entered() == 0
 
         def operator(value, shapes, starts, loc, attn):
             return torch.ops.msda.forward(value, shapes, starts, loc, attn)
 
         want = forward_backward(inputs, grad_output, operator)
-        assert fast_forward.call_count == 1 and fast_backward.call_count == 1
+        assert fast_forward.call_count == 1 and fast_backward.call_count == 1 and entered() == 2
     for name, a, b in zip(("output", "grad_value", "grad_loc", "grad_attn"), got, want):
         assert torch.equal(a, b), name
 

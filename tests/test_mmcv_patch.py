@@ -19,7 +19,7 @@ from csrc_free_ops import mmcv as mmcv_patch
 from msda import eager_cpu, ops, torch_impl
 from msda.testing import Shape, make_inputs, reference
 
-from .helpers import assert_matches_reference, forward_backward, random_like_output
+from .helpers import assert_matches_reference, forward_backward, operator_bodies, random_like_output
 
 SHAPE = Shape(batch=3, queries=9, heads=2, head_dim=4, levels=((6, 7), (3, 4)), points=2)
 
@@ -133,12 +133,13 @@ def test_function_apply_and_ext_module_take_the_cpu_fast_path(monkeypatch):
         mock.patch.object(eager_cpu, "forward", wraps=eager_cpu.forward) as fast_forward,
         mock.patch.object(eager_cpu, "backward", wraps=eager_cpu.backward) as fast_backward,
         mock.patch.object(torch_impl, "_cpu_backward", wraps=torch_impl._cpu_backward) as cpu_backward,
+        operator_bodies() as entered,
     ):
         forward_backward(inputs, grad_output, apply)
-        assert (fast_forward.call_count, cpu_backward.call_count) == (1, 1)
+        assert (fast_forward.call_count, cpu_backward.call_count, entered()) == (1, 1, 0)
         with torch.no_grad():  # as in mmcv's once-differentiable backward
             mmcv_patch.ext_module.ms_deform_attn_backward(*inputs.args(), grad_output, *grads, im2col_step=2)
-        assert fast_backward.call_count == 1
+        assert fast_backward.call_count == 1 and entered() == 0
 
 
 def test_pytorch_fallback_matches_reference_with_tensor_or_list_shapes():

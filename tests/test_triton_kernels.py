@@ -458,8 +458,9 @@ def test_backward_leaves_the_shared_tiles_level(last_level):
 
 def test_shared_tile_rule(monkeypatch):
     """The shared-memory tile is on unless MSDA_SHARED_TILE=0 (launch.SHARED_TILE) and never taken by
-    CPU tensors (nor in the interpreter), the deterministic mode, the fused softmax or without a
-    grad_value to add to (tests/gpu/test_gpu_shared_tile.py has the CUDA side)."""
+    CPU tensors (nor in the interpreter); where a call's shape would take it (on CUDA, checked by
+    tests/gpu/test_gpu_shared_tile.py), not by the deterministic mode, the fused softmax, replicas,
+    a grad_value other than float32 or none to add to."""
     encoder = Shape(batch=1, queries=36, heads=2, head_dim=32, levels=((5, 6), (3, 2)), points=4)
     value, shapes, starts, loc, attn = make_inputs(encoder, torch.float32, "cpu", seed=87).args()
     grad_output = torch.zeros(1, 36, 64)
@@ -476,7 +477,14 @@ def test_shared_tile_rule(monkeypatch):
     assert not applies()
     monkeypatch.setattr(launch, "SHARED_TILE", True)
     assert not applies()  # CPU tensors
-    assert not applies(grad_value=None) and not applies(softmax=True) and not applies(fixed_point=True)
+    # The call's flags, where its shape would take the tile (a CUDA encoder call on Hopper):
+    monkeypatch.setattr(launch, "_shared_tile_shape", lambda value, sampling_locations: True)
+    assert applies()
+    assert not applies(grad_value=None)  # the deterministic mode's lists sum grad_value
+    assert not applies(softmax=True)
+    assert not applies(fixed_point=True)
+    assert not applies(replicas=True)
+    assert not applies(grad_value=torch.zeros(0, dtype=torch.float64))
 
 
 def test_value_eviction_rule(monkeypatch):

@@ -145,3 +145,32 @@ def test_compiled_ahead_by_the_forward(route, monkeypatch):
     names = kernel_names(lambda: grads.extend(torch.autograd.grad(out, (value, loc, attn), grad_output)))
     assert "msda_shared_tile_kernel" in names and len(compiled) == 1
     assert_matches_reference(inputs, (out.detach(), *grads), grad_output)
+
+
+def test_left_out_where_the_rule_says(monkeypatch):
+    """Where the tile applies to a call's shape, it is still not taken with MSDA_SHARED_TILE=0,
+    in the deterministic mode (no kernel of its own: the lists sum grad_value), nor by a
+    bfloat16 encoder or a float32 decoder (Q != S): the kernels launched say so."""
+    inputs = encoder(ENCODER_LEVELS, seed=95)
+    grad_output = random_like_output(inputs)
+
+    def run():
+        forward_backward(inputs, grad_output)
+
+    assert "msda_shared_tile_kernel" in kernel_names(run)
+    monkeypatch.setattr(launch, "SHARED_TILE", False)
+    assert "msda_shared_tile_kernel" not in kernel_names(run)
+    monkeypatch.setattr(launch, "SHARED_TILE", True)
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert "msda_shared_tile_kernel" not in kernel_names(run)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    half = make_inputs(Shape(batch=2, queries=960, heads=8, head_dim=32, levels=ENCODER_LEVELS, points=4),
+                       torch.bfloat16, "cuda", seed=95)  # fmt: skip
+    assert "msda_shared_tile_kernel" not in kernel_names(lambda: forward_backward(half, random_like_output(half)))
+    decoder = make_inputs(Shape(batch=2, queries=100, heads=8, head_dim=32, levels=ENCODER_LEVELS, points=4),
+                          torch.float32, "cuda", seed=95)  # fmt: skip
+    assert "msda_shared_tile_kernel" not in kernel_names(
+        lambda: forward_backward(decoder, random_like_output(decoder))
+    )
