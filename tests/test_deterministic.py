@@ -1,8 +1,9 @@
 """Deterministic mode (docs/contract.md): under torch.use_deterministic_algorithms(True) the Triton
-backward sums grad_value in 64-bit fixed point (integers: the same bits in any order), from a list
-of the samples on each value row (kernels/deterministic.py; the fused-softmax kernels add the
-integers with atomics instead); float64 takes the pure-PyTorch backward, whose scatter is
-deterministic in that mode. On CPU this runs through the Triton backend (the interpreter);
+backward sums each grad_value row once from a list of the samples on it (kernels/deterministic.py):
+an encoder's in 64-bit fixed point (integers: the same bits in any order), a decoder's in float32
+over its lists sorted first (launch.list_rule; the fused-softmax kernels add fixed-point integers
+with atomics instead); float64 takes the pure-PyTorch backward, whose scatter is deterministic in
+that mode. On CPU this runs through the Triton backend (the interpreter);
 tests/gpu checks on CUDA that the gradients are bitwise equal run to run, compiled and in CUDA
 graphs too."""
 
@@ -36,22 +37,31 @@ def interpreted(test):
     return test
 
 
-@pytest.mark.parametrize("mode", ["default", "deterministic"])
+@pytest.mark.parametrize("mode", ["default", "sorted lists", "fixed point"])
 @interpreted
-def test_deterministic_mode_sums_in_fixed_point(mode, request):
-    if mode == "deterministic":
-        request.getfixturevalue("deterministic_algorithms")
+def test_deterministic_mode_sums_the_lists(mode, request, monkeypatch):
+    """Each way of summing: the default atomics, and in deterministic mode the lists sorted and
+    summed in float32 (SHAPE is a decoder's, Q != S: the rule's choice) or in fixed point (forced
+    here; an encoder's by the rule), both within the bounds. Run to run the interpreter runs the
+    programs in one order, so the repeat checks only that nothing else varies (tests/gpu checks
+    the bits on CUDA)."""
     inputs = make_inputs(SHAPE, seed=6)
+    assert launch.list_rule(inputs.sampling_locations.shape[1], inputs.value.shape[1], inputs.value).sorted_sums
+    if mode != "default":
+        request.getfixturevalue("deterministic_algorithms")
+        monkeypatch.setattr(launch, "LIST_SORTED", mode == "sorted lists")
     grad_output = random_like_output(inputs)
     with (
         backend("triton"),
         mock.patch.object(torch_impl, "backward", wraps=torch_impl.backward) as pure_pytorch,
         mock.patch.object(launch, "deterministic_grad_value", wraps=launch.deterministic_grad_value) as lists,
+        mock.patch.object(launch, "fixed_point_scales", wraps=launch.fixed_point_scales) as fixed_point,
     ):
         results = forward_backward(inputs, grad_output)
         again = forward_backward(inputs, grad_output)
     assert pure_pytorch.call_count == 0
-    assert lists.call_count == (2 if mode == "deterministic" else 0)
+    assert lists.call_count == (0 if mode == "default" else 2)
+    assert fixed_point.call_count == (2 if mode == "fixed point" else 0)
     assert_matches_reference(inputs, results, grad_output)
     for a, b in zip(results, again):
         assert torch.equal(a, b)

@@ -6,7 +6,10 @@ oracle, which computes x * W - 0.5 exactly for float32 x."""
 
 from __future__ import annotations
 
+import math
 import os
+import struct
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -69,13 +72,23 @@ def test_cells_at_rounding_borders(monkeypatch, path, seed):
     assert_matches_reference(inputs, forward_backward(inputs, grad_output), grad_output)
 
 
+def _float32(value: float) -> float:
+    """`value` rounded to the nearest float32 (by struct, not numpy: independent of the picking)."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
 def test_borders_are_found():
     """The picked coordinates do straddle cells under float32 rounding (the test above would
-    pass vacuously otherwise)."""
+    pass vacuously otherwise), checked with exact rationals and struct's float32 rounding rather
+    than the numpy arithmetic that picked them: for each x, a float32 product then a float32
+    subtraction, or one rounding of the exact x * W - 0.5 (an fma), floors to another cell than
+    the exact value does."""
     gen = np.random.default_rng(0)
     for size in (167, 100, 84, 50, 42, 25):
         x = rounding_border_coordinates(size, 4, gen)
-        exact = np.floor(x.astype(np.float64) * size - 0.5)
-        rounded = np.floor(np.float32(x * np.float32(size)) - np.float32(0.5))
-        fused = np.floor((x.astype(np.float64) * size - 0.5).astype(np.float32))
-        assert ((rounded != exact) | (fused != exact)).all()
+        assert len(x) >= 4
+        for v in map(float, x):
+            exact = math.floor(Fraction(v) * size - Fraction(1, 2))
+            product_then_subtraction = math.floor(_float32(_float32(v * size) - 0.5))
+            fused = math.floor(_float32(float(Fraction(v) * size - Fraction(1, 2))))
+            assert product_then_subtraction != exact or fused != exact, (size, v)

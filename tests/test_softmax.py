@@ -307,11 +307,12 @@ def test_all_meta_is_valid():
 
 @pytest.mark.parametrize("mode", ["default", "deterministic"])
 @pytest.mark.parametrize("path,device", PATHS)
-def test_deterministic_mode_sums_in_fixed_point(path, device, mode, request):
+def test_deterministic_mode_sums_deterministically(path, device, mode, request):
     """As msda::backward: under torch.use_deterministic_algorithms(True) the kernels sum grad_value
-    in fixed point (tests/test_deterministic.py): the lists of samples where the softmax runs outside
-    the kernels (launch.FUSED_SOFTMAX False), the 64-bit atomics inside them; the pure-PyTorch path
-    is deterministic anyway."""
+    without float atomics (tests/test_deterministic.py): from the lists of samples where the softmax
+    runs outside the kernels (launch.FUSED_SOFTMAX False; sorted and summed in float32 at this
+    decoder shape), with 64-bit fixed-point atomics inside them; the pure-PyTorch path is
+    deterministic anyway."""
     if mode == "deterministic":
         request.getfixturevalue("deterministic_algorithms")
     inputs = logit_inputs(Shape(1, 5, 2, 4, ((3, 4), (2, 2)), 2), torch.float32, device, seed=62)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from triton import knobs
 from triton.compiler.compiler import CompiledKernel
+from triton.runtime.jit import JITFunction
 
 import msda
 from msda import ops, torch_impl
@@ -73,7 +74,8 @@ def test_grad_value_accumulation_rule(preset, replicated):
     if replicated is None:
         assert rows is None
         return
-    # The counts the kernels compute (level_replicas), from the level sizes.
+    # level_replicas' formula (a jit function, not callable from Python) at the preset's level sizes:
+    # the rule's outcome, not the kernel's arithmetic (test_triton_kernels.py's replicas test runs that).
     used, counts = 0, []
     for h, w in shape.levels:
         samples_a_pixel = math.ceil(shape.queries * shape.points / (h * w))
@@ -125,12 +127,16 @@ def test_sorted_lists_sum_the_same_bits_in_any_slot_order(dtype, dist):
 @pytest.mark.parametrize("preset", ["decoder", "encoder"])
 def test_deterministic_mode_gives_bitwise_identical_gradients(deterministic_algorithms, preset, dtype):
     """docs/contract.md: under torch.use_deterministic_algorithms(True) the gradients are bitwise equal
-    run to run, from the fixed-point kernel (not the pure-PyTorch fallback), within the same bounds.
-    Local locations: at the encoder hundreds of adds land on some value rows, where the default
-    atomic backward's order varies."""
+    run to run, from the lists' kernels (not the pure-PyTorch fallback): the encoder's summed in
+    fixed point, the decoder's sorted and summed in float32 (launch.list_rule), within the same
+    bounds. Local locations: at the encoder hundreds of adds land on some value rows, where the
+    default atomic backward's order varies."""
     inputs = make_inputs(PRESETS[preset], dtype, "cuda", dist="local", seed=5)
     grad_output = random_like_output(inputs)
-    with mock.patch.object(torch_impl, "backward", wraps=torch_impl.backward) as pure_pytorch:
+    with (
+        mock.patch.object(torch_impl, "backward", wraps=torch_impl.backward) as pure_pytorch,
+        mock.patch.object(launch, "fixed_point_scales", wraps=launch.fixed_point_scales) as fixed_point,
+    ):
         first = forward_backward(inputs, grad_output)
         assert_matches_reference(inputs, first, grad_output)
         for run in range(2):
@@ -138,6 +144,7 @@ def test_deterministic_mode_gives_bitwise_identical_gradients(deterministic_algo
             for name, a, b in zip(("output", "grad_value", "grad_loc", "grad_attn"), first, again):
                 assert torch.equal(a, b), f"run {run + 2}: {name} differs"
     assert pure_pytorch.call_count == 0
+    assert fixed_point.call_count == (3 if preset == "encoder" else 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=lambda d: str(d).removeprefix("torch."))
@@ -168,18 +175,20 @@ def test_eager_calls_on_misaligned_views(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).removeprefix("torch."))
 def test_eager_launches_call_tritons_c_launcher(dtype):
-    """Past a key's first call, eager launches call Triton's C launcher directly, not through
-    `CompiledKernel[grid]` (msda/kernels/direct.py): a Triton release whose launcher differs
-    fails here rather than quietly costing the slower route. Outputs are the same bits."""
+    """Past a key's first call, eager launches call Triton's C launcher directly, neither through
+    `CompiledKernel[grid]` nor through the JIT's `kernel[grid]` (msda/kernels/direct.py): a Triton
+    release whose launcher differs fails here rather than quietly costing a slower route.
+    Outputs are the same bits."""
     inputs = make_inputs(PRESETS["decoder"], dtype, "cuda", seed=13)
     grad_output = random_like_output(inputs)
     first = forward_backward(inputs, grad_output)  # compiles, through the JIT
     public_route = mock.patch.object(
         CompiledKernel, "__getitem__", autospec=True, side_effect=CompiledKernel.__getitem__
     )
-    with public_route as public:
+    jit_route = mock.patch.object(JITFunction, "run", autospec=True, side_effect=JITFunction.run)
+    with public_route as public, jit_route as jit:
         again = forward_backward(inputs, grad_output)
-    assert public.call_count == 0
+    assert public.call_count == 0 and jit.call_count == 0
     assert torch.equal(again[0], first[0])
     assert_matches_reference(inputs, again, grad_output)
 
