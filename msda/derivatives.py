@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from .torch_impl import compute_dtype, corners, finite_weights, gather
+from .validation import reject_forward_ad
 
 
 def _level_sizes(spatial_shapes: Tensor, ctype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -216,6 +217,31 @@ class OperatorWithJvp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
+        # Forward over reverse (torch.func.hessian, jacfwd(jacrev(...))): the backward has no
+        # forward-mode formula; the operator's own error, not torch.func's about the Function below.
+        reject_forward_ad("backward")
         value, shapes, starts, loc, attn = ctx.saved_tensors
-        grad_value, grad_loc, grad_attn = torch.ops.msda.backward(grad_output, value, shapes, starts, loc, attn)
+        grad_value, grad_loc, grad_attn = BackwardWithDerivative.apply(grad_output, value, shapes, starts, loc, attn)
         return grad_value, None, None, grad_loc, grad_attn
+
+
+class BackwardWithDerivative(torch.autograd.Function):
+    """msda::backward with its derivative (`backward_backward`), as OperatorWithJvp's backward
+    calls it: under torch.func.grad the backward runs inside the transform, where the autograd
+    that torch.library generates for the operator raises (it is not a setup_context Function)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+        return torch.ops.msda.backward(
+            grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights
+        )
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        backward_setup_context(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, grad_value_cotangent, grad_loc_cotangent, grad_attn_cotangent):
+        return backward_backward(ctx, grad_value_cotangent, grad_loc_cotangent, grad_attn_cotangent)
