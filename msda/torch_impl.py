@@ -70,7 +70,7 @@ def corners(
     x = sampling_locations[..., 0].to(pos) * w.to(pos) - 0.5
     y = sampling_locations[..., 1].to(pos) * h.to(pos) - 0.5
     # NaN compares false, so non-finite locations land outside and touch nothing.
-    touches_level = (x > -1) & (x < w) & (y > -1) & (y < h)
+    touches_level = (x >= -1) & (x < w) & (y >= -1) & (y < h)  # as the kernels: cells -1 .. W - 1
     x = torch.where(touches_level, x, 0.0)
     y = torch.where(touches_level, y, 0.0)
     x0f, y0f = x.floor(), y.floor()
@@ -282,13 +282,26 @@ def _samples(levels: Levels, locations: Tensor, first: int, ctype: torch.dtype) 
     # cell is floor(x * W - 0.5). Computed as x * W + 1.5 in float64, exact for float32 locations,
     # so that every position kept is positive and its integer conversion is floor() + 2.
     p = torch.empty((n, M, 2, LK), dtype=torch.float64)
-    torch.addcmul(constants.one_and_a_half, locations.transpose(-1, -2), levels.size, out=p)
+    fraction = None
+    if locations.dtype == torch.float64:
+        # A float64 x * W rounds (as the reference's product does), and + 1.5 after it would round
+        # again, onto n + 2 for an x * W - 0.5 just under an integer n: the cell one too far.
+        # floor(x * W - 0.5) first, then + 2, in exact steps.
+        q = torch.mul(locations.transpose(-1, -2), levels.size).sub_(0.5)
+        torch.floor(q, out=p)
+        fraction = q.sub_(p).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # exact; unused outside
+        p.add_(2.0)
+    else:
+        torch.addcmul(constants.one_and_a_half, locations.transpose(-1, -2), levels.size, out=p)
     # Far, infinite and NaN positions to 0 or W + 2: both corners outside, the conversion defined.
     torch.clamp(p, constants.zero, levels.far, out=p)
     p.nan_to_num_(nan=0.0)
     cell = p.to(index)
     f = torch.empty(p.shape, dtype=ctype)
-    torch.sub(p, cell, out=f)
+    if fraction is None:
+        torch.sub(p, cell, out=f)
+    else:
+        f.copy_(fraction)
 
     # (n, M, 2 [x, y], 2 [corner], L*K): each corner's coordinate, clamped into the level for its
     # row (a corner outside reads an in-range row, with weight 0).

@@ -20,8 +20,8 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 
 import msda
-from msda import derivatives
-from msda.testing import Inputs, Shape, reference, relative_error, tolerance
+from msda import derivatives, torch_impl
+from msda.testing import Inputs, Shape, reference, reference_with_grads, relative_error, tolerance
 
 from .test_edge_cases import backend, needs_interpreter
 
@@ -267,6 +267,33 @@ def test_torch_func_reverse_mode_transforms():
         hessian = torch.func.jacrev(torch.func.jacrev(lambda a: loss(msda_of(inputs))(*primals[:2], a)))(attn)
     expected = torch.autograd.functional.hessian(lambda a: loss(oracle_of(inputs))(*primals[:2], a), attn)
     assert relative_error(hessian, expected) <= 1e-12
+
+
+def test_samples_on_a_levels_top_and_left_edges(monkeypatch):
+    """x_im = -1 or y_im = -1 exactly (x = -0.5 / W): cell -1, whose inside corners have weight 0
+    but a location derivative. The pure-PyTorch placement (`torch_impl.corners`) once left such
+    samples out, so the jvp, the double backward's location terms and the generic backward gave
+    0 where the kernels, the CPU path and the oracle do not."""
+    H, W = 3, 4
+    gen = torch.Generator().manual_seed(31)
+    value = torch.randn(1, H * W, 1, 3, generator=gen, dtype=torch.float64)
+    loc = torch.tensor([[-0.5 / W, 0.4], [0.3, -0.5 / H], [-0.5 / W, -0.5 / H]], dtype=torch.float64)
+    inputs = Inputs(value, torch.tensor([[H, W]]), torch.tensor([0]), loc.view(1, 3, 1, 1, 1, 2),
+                    torch.ones(1, 3, 1, 1, 1, dtype=torch.float64))  # fmt: skip
+    primals = (inputs.value, inputs.sampling_locations, inputs.attention_weights)
+    direction = tangents(inputs, seed=32)
+    _, expected = torch.autograd.functional.jvp(oracle_of(inputs), primals, direction)
+    with backend("torch"):
+        _, jvp = torch.func.jvp(msda_of(inputs), primals, direction)
+    assert expected.abs().max() > 0 and relative_error(jvp, expected) <= 1e-12
+    # The generic pure-PyTorch backward (CUDA float64 in deterministic mode, MPS, traced bodies).
+    grad_output = torch.randn(1, 3, 3, generator=gen, dtype=torch.float64)
+    monkeypatch.setattr(torch_impl, "_is_eager_cpu", lambda *tensors: False)
+    grads = torch_impl.backward(grad_output, *inputs.args())
+    want = reference_with_grads(inputs, grad_output)[1:]
+    assert want[1].abs().max() > 0
+    for actual, expected_grad in zip(grads, want):
+        assert relative_error(actual, expected_grad) <= 1e-12
 
 
 # ---------------------------------------------------------------------------------------------

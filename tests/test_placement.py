@@ -92,3 +92,22 @@ def test_borders_are_found():
             product_then_subtraction = math.floor(_float32(_float32(v * size) - 0.5))
             fused = math.floor(_float32(float(Fraction(v) * size - Fraction(1, 2))))
             assert product_then_subtraction != exact or fused != exact, (size, v)
+
+
+def test_float64_locations_just_under_a_pixel_centre_line():
+    """float64 locations take the reference's cell too: x just under (n + 0.5) / W, so that x * W -
+    0.5 is an integer n less one ulp and the cell is n - 1. The CPU path once shifted positions by
+    + 1.5 after rounding x * W, which rounded onto n + 2 and took the next cell's location
+    gradient (n = 0, 1, 2, 6, 14, ...: where n + 0.5 and n + 2 lie in different binades)."""
+    gen = torch.Generator().manual_seed(41)
+    for width in (1, 2, 4, 8, 16, 64):
+        n = width // 2 if width > 2 else width - 1
+        x = math.nextafter((n + 0.5) / width, 0.0)
+        assert math.floor(Fraction(x) * width - Fraction(1, 2)) == n - 1
+        value = torch.randn(1, 2 * width, 1, 4, generator=gen, dtype=torch.float64)
+        shapes, starts = torch.tensor([[2, width]]), torch.tensor([0])
+        loc = torch.tensor([x, 0.3], dtype=torch.float64).view(1, 1, 1, 1, 1, 2)
+        attn = torch.ones(1, 1, 1, 1, 1, dtype=torch.float64)
+        inputs = Inputs(value, shapes, starts, loc, attn)
+        grad_output = torch.randn(1, 1, 4, generator=gen, dtype=torch.float64)
+        assert_matches_reference(inputs, forward_backward(inputs, grad_output), grad_output)
