@@ -98,7 +98,12 @@ def msda_forward(value, spatial_shapes, level_start_index, sampling_locations, a
     grid = op.Where(op.Less(op.Abs(grid), outside), grid, outside)  # NaN and inf too
     grid = op.Transpose(grid, perm=[0, 2, 3, 1, 4, 5])  # (B, M, L, Q, K, 2)
 
-    weights = op.Transpose(_cast(attention_weights, ctype), perm=[0, 2, 3, 1, 4])  # (B, M, L, Q, K)
+    weights = _cast(attention_weights, ctype)
+    # A non-finite weight (inf, NaN) becomes NaN, so that its (batch, query, head) is NaN wherever
+    # the sample lands, as in the operator (an inf times a sample's 0 or v would give NaN or inf).
+    finite = op.Equal(op.Sub(weights, weights), op.CastLike(op.Constant(value_float=0.0), weights))
+    weights = op.Where(finite, weights, op.CastLike(op.Constant(value_float=float("nan")), weights))
+    weights = op.Transpose(weights, perm=[0, 2, 3, 1, 4])  # (B, M, L, Q, K)
 
     out = None
     for level in range(L):
