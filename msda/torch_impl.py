@@ -127,6 +127,14 @@ def forward(
 ) -> Tensor:
     if _is_eager_cpu(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
         return _cpu_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    return _masked_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+
+
+def _masked_forward(
+    value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor, sampling_locations: Tensor,
+    attention_weights: Tensor,
+) -> Tensor:  # fmt: skip
+    """The forward corner by corner, each outside corner's value masked to exactly 0."""
     B, _, M, D = value.shape
     Q = sampling_locations.shape[1]
     ctype = compute_dtype(value, sampling_locations, attention_weights)
@@ -150,6 +158,14 @@ def backward(
     args = (grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
     if _is_eager_cpu(*args):
         return _cpu_backward(*args)
+    return _masked_backward(*args)
+
+
+def _masked_backward(
+    grad_output: Tensor, value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor,
+    sampling_locations: Tensor, attention_weights: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The backward corner by corner, each outside corner's value masked to exactly 0."""
     B, _, M, D = value.shape
     L = spatial_shapes.shape[0]
     Q = sampling_locations.shape[1]
@@ -380,6 +396,10 @@ def _cpu_forward(value, spatial_shapes, level_start_index, sampling_locations, a
     # A non-finite attention weight makes its (batch, query, head) NaN, inside its level or not:
     # w - w is 0 for a finite w and NaN otherwise, so each head adds 0 or NaN to its D channels.
     out.view(B * Q, M, D).add_((attn - attn).sum(-1))
+    if bool(torch.isnan(out.sum())):
+        # An outside corner reads the nearest inside row with weight 0, and 0 * inf is NaN: where a
+        # NaN came out (a non-finite value or weight, rare), the masked path says which are real.
+        return _masked_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
     return out.view(B, Q, M * D).to(value.dtype)
 
 
@@ -446,6 +466,12 @@ def _cpu_backward(
         grad_y = (along_y * slope[:, :, 1]).sum(2)
         torch.mul(torch.stack((grad_x, grad_y), -1), attn[first:last].squeeze(2).unsqueeze(-1) * size,
                   out=grad_loc[first:last])
+    if bool(torch.isnan(grad_attn.sum())):
+        # An outside corner's dot came from the nearest inside row (`_cpu_forward` says why that can
+        # be NaN): a NaN in grad_attn, which every such NaN reaches, hands the call to the masked path.
+        return _masked_backward(
+            grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights
+        )
 
     # grad_value[row] = sum over the corners on that row of weight * grad_output[their query and
     # head]: the corners sorted by row (a stable sort: the sums' order is fixed), each row one

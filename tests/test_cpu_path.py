@@ -11,7 +11,7 @@ import torch
 
 import msda
 from msda import eager_cpu, ops, torch_impl
-from msda.testing import Shape, make_inputs, reference_with_grads, relative_error
+from msda.testing import Inputs, Shape, make_inputs, reference_with_grads, relative_error
 
 from .helpers import assert_matches_reference, forward_backward, random_like_output
 
@@ -139,3 +139,28 @@ def test_compiled_operator_runs_the_cpu_kernels():
     assert (fwd.call_count, bwd.call_count) == (1, 1)
     expected = reference_with_grads(inputs, grad_output)
     assert all(relative_error(got, want) <= 1e-5 for got, want in zip(results, expected))
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_non_finite_value_next_to_samples_outside_their_level(bad):
+    """docs/contract.md: a corner outside its level contributes zero. The CPU kernels read such a
+    corner's nearest inside row with weight 0, and 0 * inf is NaN: where a NaN comes out, the call
+    is redone with each outside corner masked. Here inf or NaN sits on the level's corner pixels,
+    samples lie wholly outside next to them, and the rest inside, away from them: output and
+    gradients finite and the oracle's for the same value with those pixels 0 (which no inside
+    corner reads; the oracle's autograd gives the outside samples' gradients NaN itself), through
+    the functional form and the operator."""
+    H, W = 4, 5
+    gen = torch.Generator().manual_seed(51)
+    value = torch.randn(1, H * W, 2, 3, generator=gen)
+    value[0, [0, W - 1, (H - 1) * W, H * W - 1]] = bad  # the four corner pixels
+    loc = torch.rand(1, 6, 2, 1, 2, 2, generator=gen) * 0.3 + 0.35  # inside, away from the edges
+    loc[0, :3, :, 0, 0] = torch.tensor([[-1.0, 0.05], [1.5, 0.95], [0.02, -0.9]])[:, None]  # wholly outside
+    inputs = Inputs(value, torch.tensor([[H, W]]), torch.tensor([0]), loc,
+                    torch.rand(1, 6, 2, 1, 2, generator=gen))  # fmt: skip
+    grad_output = random_like_output(inputs)
+    clean = Inputs(torch.nan_to_num(value, nan=0.0, posinf=0.0), *inputs.args()[1:])
+    for fn in (msda.multi_scale_deformable_attention, torch.ops.msda.forward):
+        results = forward_backward(inputs, grad_output, fn)
+        assert all(bool(torch.isfinite(t).all()) for t in results)
+        assert_matches_reference(clean, results, grad_output)
