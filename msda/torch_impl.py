@@ -12,9 +12,10 @@ matches an exact computation of `x * W - 0.5`; float32 accumulation (float64 for
   chunk at a time); grad_value is the transposed sum (the corners sorted by row, then
   F.embedding_bag over grad_output's rows). The corners are computed a chunk of queries at a
   time, and no (B, Q, M, L, K, D)-sized tensor is made. Under torch.compile the operator stays
-  one node on CPU (msda/ops.py), which runs these kernels. One difference from the other paths:
-  a corner outside its level reads an in-range row with weight 0 instead of being skipped, so a
-  non-finite number in `value` (not in the locations) can reach the samples next to it as NaN.
+  one node on CPU (msda/ops.py), which runs these kernels. A corner outside its level reads an
+  in-range row with weight 0 instead of being skipped, so a non-finite number in `value` could
+  reach the samples next to it as NaN: a call whose result holds a NaN is redone by the masked
+  path below (`_masked_forward`, `_masked_backward`), which says which NaNs are real.
 - Elsewhere (CUDA in deterministic mode, MPS, other devices, and any tracing of the body), gathers
   (index_select) and scatters (index_add_) over `value` viewed as rows of D channels, a corner at a
   time, so that it allocates no (B, Q, M, L, K, D)-sized index tensor and has no data-dependent
