@@ -184,9 +184,11 @@ def reference(
                 inside = (cx >= 0) & (cx <= w - 1) & (cy >= 0) & (cy <= h - 1)
                 xi = torch.where(inside, cx, 0).long()
                 yi = torch.where(inside, cy, 0).long()
-                corner_value = image[batch, yi, xi, head]  # (B, Q, M, K, D)
+                # An outside corner's value 0 before the product (not the product masked after it):
+                # else its weight's gradient would be 0 * value, NaN next to an inf in value.
+                corner_value = torch.where(inside.unsqueeze(-1), image[batch, yi, xi, head], 0.0)  # (B, Q, M, K, D)
                 contribution = (attn[:, :, :, level] * wx * wy).unsqueeze(-1) * corner_value
-                out = out + torch.where(inside.unsqueeze(-1), contribution, 0.0).sum(3)
+                out = out + contribution.sum(3)
     return out.reshape(B, Q, M * D)
 
 
