@@ -299,14 +299,15 @@ def _samples(levels: Levels, locations: Tensor, first: int, ctype: torch.dtype) 
     # cell is floor(x * W - 0.5). Computed as x * W + 1.5 in float64, exact for float32 locations,
     # so that every position kept is positive and its integer conversion is floor() + 2.
     p = torch.empty((n, M, 2, LK), dtype=torch.float64)
-    fraction = None
-    if locations.dtype == torch.float64:
+    f = torch.empty(p.shape, dtype=ctype)
+    float64_locations = locations.dtype == torch.float64  # (then ctype is float64 too)
+    if float64_locations:
         # A float64 x * W rounds (as the reference's product does), and + 1.5 after it would round
         # again, onto n + 2 for an x * W - 0.5 just under an integer n: the cell one too far.
         # floor(x * W - 0.5) first, then + 2, in exact steps.
         q = torch.mul(locations.transpose(-1, -2), levels.size).sub_(0.5)
         torch.floor(q, out=p)
-        fraction = q.sub_(p).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # exact; unused outside
+        torch.sub(q, p, out=f).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # exact; unused outside
         p.add_(2.0)
     else:
         torch.addcmul(constants.one_and_a_half, locations.transpose(-1, -2), levels.size, out=p)
@@ -314,11 +315,8 @@ def _samples(levels: Levels, locations: Tensor, first: int, ctype: torch.dtype) 
     torch.clamp(p, constants.zero, levels.far, out=p)
     p.nan_to_num_(nan=0.0)
     cell = p.to(index)
-    f = torch.empty(p.shape, dtype=ctype)
-    if fraction is None:
+    if not float64_locations:
         torch.sub(p, cell, out=f)
-    else:
-        f.copy_(fraction)
 
     # (n, M, 2 [x, y], 2 [corner], L*K): each corner's coordinate, clamped into the level for its
     # row (a corner outside reads an in-range row, with weight 0).
