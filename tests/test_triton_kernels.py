@@ -348,16 +348,18 @@ def test_backward_lane_placement(monkeypatch, dtype, head_dim, points, turns):
 def test_encoder_rule(monkeypatch):
     """Where the register target applies, a float32 call with every pixel a query (Q == S, an
     encoder's self-attention) takes one-warp programs (2 queries at head_dim 32) at 56 registers
-    with the lane placement, its backward one-query programs, and matches the oracle; other calls
-    keep the 16-query forward and the 4-query backward."""
+    with the lane placement, twice as many queries at 5 to 8 samples a query (L * K), its
+    backward one-query programs, and matches the oracle; other calls keep the 16-query forward
+    and the 4-query backward."""
     monkeypatch.setattr(launch, "register_target", lambda device: True)
     levels = ((5, 6), (3, 2), (1, 1))
     encoder = Shape(batch=2, queries=37, heads=2, head_dim=32, levels=levels, points=2)  # S = 37
+    for points, tile in ((3, (2, 1, 56)), (2, (4, 2, 56))):  # L * K = 9, then 6
+        inputs = make_inputs(dataclasses.replace(encoder, points=points), torch.float32, DEVICE, seed=81)
+        _, _, constexprs = launch.forward_call(*inputs.args(), torch.empty(0))
+        assert (constexprs["BLOCK_Q"], constexprs["num_warps"], constexprs["maxnreg"]) == tile, points
+        assert constexprs["LANE_PLACEMENT"]
     inputs = make_inputs(encoder, torch.float32, DEVICE, outside_fraction=0.25, seed=81)
-    value, shapes, starts, loc, attn = inputs.args()
-    _, _, constexprs = launch.forward_call(value, shapes, starts, loc, attn, torch.empty(0))
-    assert (constexprs["BLOCK_Q"], constexprs["num_warps"], constexprs["maxnreg"]) == (2, 1, 56)
-    assert constexprs["LANE_PLACEMENT"]
     grad_output = random_like_output(inputs)
     assert backward_constexprs(inputs, grad_output)["BLOCK_Q"] == 1
     assert_matches_reference(inputs, forward_backward(inputs, grad_output), grad_output)

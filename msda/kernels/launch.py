@@ -133,6 +133,11 @@ def forward_config(
     us against 132.2 / 126.0, bfloat16 129.4 / 127.8 against 135.5 / 128.8; the decoder's few
     queries lose with one warp (11.8 against 9.2 us: its programs no longer fit in one wave), hence the
     two rules. Measured at head_dim 32 (entry 34); other widths keep one warp a program.
+    With fewer samples a query than the presets' L * K = 16, a program takes proportionally more
+    queries (`_queries_scale`), or the block scheduler's rate bounds the kernel: at BEVFormer's
+    temporal self-attention (one 200 x 200 level, K = 4, Q = S = 40,000, B = 2; 320,000 one-warp
+    programs) the float32 forward took 194.8 us at 2 queries against 131.1 at 8, float16 98.9
+    at 4 against 85.4 at 16 (H100, entry 91); at L * K = 8, 64.9 against 60.8 (float32).
 
     Half-precision decoders load each round's sample parameters during the round before
     (`params_ahead`; at the presets a program has two rounds): in an A/B on the H200 float16
@@ -144,7 +149,7 @@ def forward_config(
         # 16-byte loads of a row: its threads.
         row_threads = max(1, min(32, _next_power_of_2(head_dim) * value_dtype.itemsize // 16))
         return TileConfig(
-            block_q=max(2, 32 // (2 * row_threads)),
+            block_q=max(2, 32 // (2 * row_threads)) * _queries_scale(num_levels * num_points),
             groups=2,
             threads_per_row=0,
             prefetch=value_dtype != torch.float16,
@@ -164,6 +169,13 @@ def forward_config(
         max_registers=64 if half else 40,
         params_ahead=half,
     )
+
+
+def _queries_scale(samples: int) -> int:
+    """How many times the encoder forward's queries a program at `samples` (L * K) samples a
+    query: the largest power of two at most 16 / samples (1 from 9 samples up), so that a program
+    does about the presets' work."""
+    return 1 << (max(1, 16 // max(1, samples)).bit_length() - 1)
 
 
 def every_pixel_a_query(num_queries, num_values) -> bool:
