@@ -348,9 +348,9 @@ def test_backward_lane_placement(monkeypatch, dtype, head_dim, points, turns):
 def test_encoder_rule(monkeypatch):
     """Where the register target applies, a float32 call with every pixel a query (Q == S, an
     encoder's self-attention) takes one-warp programs (2 queries at head_dim 32) at 56 registers
-    with the lane placement, twice as many queries at 5 to 8 samples a query (L * K), its
-    backward one-query programs, and matches the oracle; other calls keep the 16-query forward
-    and the 4-query backward."""
+    with the lane placement, twice as many queries at 5 to 8 samples a query (L * K) and four
+    times at 3 or 4, its backward one-query programs, and matches the oracle; other calls keep
+    the 16-query forward and the 4-query backward."""
     monkeypatch.setattr(launch, "register_target", lambda device: True)
     levels = ((5, 6), (3, 2), (1, 1))
     encoder = Shape(batch=2, queries=37, heads=2, head_dim=32, levels=levels, points=2)  # S = 37
@@ -359,6 +359,13 @@ def test_encoder_rule(monkeypatch):
         _, _, constexprs = launch.forward_call(*inputs.args(), torch.empty(0))
         assert (constexprs["BLOCK_Q"], constexprs["num_warps"], constexprs["maxnreg"]) == tile, points
         assert constexprs["LANE_PLACEMENT"]
+    # One level of 4 points (BEVFormer's temporal self-attention): 8 queries, four warps.
+    single = Shape(batch=2, queries=42, heads=2, head_dim=32, levels=((6, 7),), points=4)
+    inputs = make_inputs(single, torch.float32, DEVICE, outside_fraction=0.25, seed=83)
+    _, _, constexprs = launch.forward_call(*inputs.args(), torch.empty(0))
+    assert (constexprs["BLOCK_Q"], constexprs["num_warps"], constexprs["LANE_PLACEMENT"]) == (8, 4, True)
+    grad_output = random_like_output(inputs)
+    assert_matches_reference(inputs, forward_backward(inputs, grad_output), grad_output)
     inputs = make_inputs(encoder, torch.float32, DEVICE, outside_fraction=0.25, seed=81)
     grad_output = random_like_output(inputs)
     assert backward_constexprs(inputs, grad_output)["BLOCK_Q"] == 1
