@@ -33,14 +33,27 @@ from torch import Tensor
 import msda
 import msda.layer
 from msda.testing import PRESETS as MODEL_PRESETS
-from msda.testing import Inputs, Shape, reference, reference_softmax, reference_with_grads
+from msda.testing import DETR_LEVELS, Inputs, Shape, reference, reference_softmax, reference_with_grads
 
 from .timing import capture_graph
 
 # The cells' axes. decoder and encoder are the operating points of docs/benchmarking.md; smoke is
 # tiny, for a CPU (and a quick look at a GPU): two levels, two heads, two points.
 SMOKE = Shape(batch=2, queries=12, heads=2, head_dim=8, levels=((6, 8), (3, 4)), points=2)
-PRESETS = {"smoke": SMOKE, **MODEL_PRESETS}
+# Other models' shapes, where the operating points' four levels of four points do not reach
+# (bench/NOTES.md entry 91): DINO's (and Grounding DINO's) decoder, RT-DETR's decoder at 640 x 640,
+# Mask2Former's pixel decoder at 512 x 512, BEVFormer's temporal self-attention (one 200 x 200
+# level) and its spatial cross-attention (6 cameras at 928 x 1600, 8 points).
+OTHER_MODELS = {
+    "dino": Shape(batch=4, queries=900, heads=8, head_dim=32, levels=DETR_LEVELS, points=4),
+    "rtdetr": Shape(batch=4, queries=300, heads=8, head_dim=32, levels=((80, 80), (40, 40), (20, 20)), points=4),
+    "mask2former": Shape(batch=8, queries=5376, heads=8, head_dim=32, levels=((16, 16), (32, 32), (64, 64)), points=4),
+    "bevformer-tsa": Shape(batch=2, queries=40000, heads=8, head_dim=32, levels=((200, 200),), points=4),
+    "bevformer-sca": Shape(
+        batch=6, queries=3000, heads=8, head_dim=32, levels=((116, 200), (58, 100), (29, 50), (15, 25)), points=8
+    ),
+}
+PRESETS = {"smoke": SMOKE, **MODEL_PRESETS, **OTHER_MODELS}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DISTS = ("uniform", "local")
 
