@@ -217,24 +217,28 @@ BAGS_PER_GATHER = 512
 
 
 class Levels(NamedTuple):
-    """Per-level constants of one call, repeated for each of a query's L*K sample columns."""
+    """Per-level constants of one call, for each head and each of a query's L*K sample columns:
+    laid out (..., M, L*K), so that they broadcast over the query rows alone and a pass over an
+    (..., n, M, L*K) tensor runs inner loops of M*L*K elements (bench/NOTES.md entry 93)."""
 
-    size: Tensor  # (2, L*K) float64: (W, H), in the order of the locations' (x, y)
-    far: Tensor  # (2, L*K) float64: W + 2 and H + 2, where `_samples` clamps positions past the level
-    last: Tensor  # (2, 1, L*K) int: the last corner coordinate inside the level, W - 1 and H - 1
-    stride: Tensor  # (2, 1, L*K) int: rows of value.view(B*S*M, D) per step in x (M) and in y (W * M)
+    size: Tensor  # (2, 1, M, L*K) float64: (W, H), in the order of the locations' (x, y)
+    far: Tensor  # (2, 1, M, L*K) float64: W + 2 and H + 2, where `_samples` clamps positions past the level
+    last: Tensor  # (2, 1, 1, M, L*K) int: the last corner coordinate inside the level, W - 1 and H - 1
+    stride: Tensor  # (2, 1, 1, M, L*K) int: rows of value.view(B*S*M, D) per step in x (M) and in y (W * M)
     head_rows: Tensor  # (M, L*K) int: the row of the level's first pixel for batch entry 0 and each head
     rows_per_batch: int  # S * M
     queries: int  # Q
 
 
 class Samples(NamedTuple):
-    """The four corners of n query rows' samples, laid out (n, M, 2, 2, L*K): each query and
-    head's corners contiguous (a bag of F.embedding_bag), the L*K samples innermost."""
+    """The four corners of n query rows' samples, the corner axes outermost and the samples' own
+    (n, M, L*K) innermost: a pass that combines one corner axis with the other then runs over
+    whole (n, M, L*K) blocks, where corners laid out inside each (query, head) made inner loops of
+    L*K elements, 2.7x (L*K = 16) to 12.6x (L*K = 4) slower (bench/NOTES.md entries 92-93)."""
 
-    rows: Tensor  # [corner y, corner x]: the row of value.view(B*S*M, D), in range
-    weight: Tensor  # [x | y, corner 0 | 1]: the 1-D bilinear weights 1 - f and f, 0 outside
-    inside: Tensor  # [x | y, corner 0 | 1]: the corner coordinate lies inside the level
+    rows: Tensor  # (2 [corner y], 2 [corner x], n, M, L*K): the row of value.view(B*S*M, D), in range
+    weight: Tensor  # (2 [x | y], 2 [corner 0 | 1], n, M, L*K): the 1-D bilinear weights 1 - f and f, 0 outside
+    inside: Tensor  # (2 [x | y], 2 [corner 0 | 1], n, M, L*K): the corner coordinate lies inside the level
 
 
 class _Constants(NamedTuple):
@@ -245,20 +249,23 @@ class _Constants(NamedTuple):
     one_and_a_half: Tensor  # float64 1.5
     zero: Tensor  # float64 0
     zero_index: Tensor  # 0 in the index dtype
-    corner_offsets: Tensor  # (2, 1) index: the corners' coordinates from floor() + 2, -2 and -1
-    weight_at_0: Tensor  # (2, 1) ctype: the corners' 1-D weights at f = 0, 1 and 0 ...
-    weight_slope: Tensor  # (2, 1) ctype: ... and their slopes in f (and in position), -1 and +1
+    corner_offsets: Tensor  # (2, 1, 1, 1) index: the corners' coordinates from floor() + 2, -2 and -1
+    weight_at_0: Tensor  # (2, 1, 1, 1) ctype: the corners' 1-D weights at f = 0, 1 and 0 ...
+    weight_slope: Tensor  # (2, 1, 1, 1) ctype: ... and their slopes in f (and in position), -1 and +1
 
 
 @functools.cache
 def _constants(index: torch.dtype, ctype: torch.dtype) -> _Constants:
+    def per_corner(pair, dtype) -> Tensor:
+        return torch.tensor(pair, dtype=dtype).view(2, 1, 1, 1)
+
     return _Constants(
         one_and_a_half=torch.tensor(1.5, dtype=torch.float64),
         zero=torch.zeros((), dtype=torch.float64),
         zero_index=torch.zeros((), dtype=index),
-        corner_offsets=torch.tensor([[-2], [-1]], dtype=index),
-        weight_at_0=torch.tensor([[1.0], [0.0]], dtype=ctype),
-        weight_slope=torch.tensor([[-1.0], [1.0]], dtype=ctype),
+        corner_offsets=per_corner([-2, -1], index),
+        weight_at_0=per_corner([1.0, 0.0], ctype),
+        weight_slope=per_corner([-1.0, 1.0], ctype),
     )
 
 
@@ -283,11 +290,15 @@ def _level_tensors(heights: tuple, widths: tuple, starts: tuple, M: int, K: int,
         return [v for v in level_values for _ in range(K)]
 
     W, H = per_sample(widths), per_sample(heights)
-    size = torch.tensor([W, H], dtype=torch.float64)
-    head_rows = [[start * M + m for start in per_sample(starts)] for m in range(M)]
-    last_and_stride = [[w - 1 for w in W], [h - 1 for h in H], [M] * len(W), [w * M for w in W]]
-    ints = torch.tensor([*last_and_stride, *head_rows], dtype=index)
-    return size, size + 2, ints[0:2].unsqueeze(1), ints[2:4].unsqueeze(1), ints[4:]
+    LK = len(W)
+
+    def per_head(rows: list, dtype: torch.dtype) -> Tensor:  # R lists of L*K -> (R, 1, M, L*K)
+        return torch.tensor(rows, dtype=dtype).view(len(rows), 1, 1, LK).expand(-1, 1, M, LK).contiguous()
+
+    size = per_head([W, H], torch.float64)
+    last_and_stride = per_head([[w - 1 for w in W], [h - 1 for h in H], [M] * LK, [w * M for w in W]], index)
+    head_rows = torch.tensor([[start * M + m for start in per_sample(starts)] for m in range(M)], dtype=index)
+    return size, size + 2, last_and_stride[0:2].unsqueeze(1), last_and_stride[2:4].unsqueeze(1), head_rows
 
 
 def _samples(levels: Levels, locations: Tensor, first: int, ctype: torch.dtype) -> Samples:
@@ -298,19 +309,21 @@ def _samples(levels: Levels, locations: Tensor, first: int, ctype: torch.dtype) 
     # Positions in pixels, pixel centres at integer + 0.5 (grid_sample's align_corners=False): the
     # cell is floor(x * W - 0.5). Computed as x * W + 1.5 in float64, exact for float32 locations,
     # so that every position kept is positive and its integer conversion is floor() + 2.
-    p = torch.empty((n, M, 2, LK), dtype=torch.float64)
+    # (2 [x, y], n, M, L*K), the axis outermost.
+    xy = locations.permute(3, 0, 1, 2)
+    p = torch.empty(xy.shape, dtype=torch.float64)
     f = torch.empty(p.shape, dtype=ctype)
     float64_locations = locations.dtype == torch.float64  # (then ctype is float64 too)
     if float64_locations:
         # A float64 x * W rounds (as the reference's product does), and + 1.5 after it would round
         # again, onto n + 2 for an x * W - 0.5 just under an integer n: the cell one too far.
         # floor(x * W - 0.5) first, then + 2, in exact steps.
-        q = torch.mul(locations.transpose(-1, -2), levels.size).sub_(0.5)
+        q = torch.mul(xy, levels.size).sub_(0.5)
         torch.floor(q, out=p)
         torch.sub(q, p, out=f).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # exact; unused outside
         p.add_(2.0)
     else:
-        torch.addcmul(constants.one_and_a_half, locations.transpose(-1, -2), levels.size, out=p)
+        torch.addcmul(constants.one_and_a_half, xy, levels.size, out=p)
     # Far, infinite and NaN positions to 0 or W + 2: both corners outside, the conversion defined.
     torch.clamp(p, constants.zero, levels.far, out=p)
     p.nan_to_num_(nan=0.0)
@@ -318,13 +331,13 @@ def _samples(levels: Levels, locations: Tensor, first: int, ctype: torch.dtype) 
     if not float64_locations:
         torch.sub(p, cell, out=f)
 
-    # (n, M, 2 [x, y], 2 [corner], L*K): each corner's coordinate, clamped into the level for its
+    # (2 [x, y], 2 [corner], n, M, L*K): each corner's coordinate, clamped into the level for its
     # row (a corner outside reads an in-range row, with weight 0).
-    corner = cell.unsqueeze(-2) + constants.corner_offsets
+    corner = cell.unsqueeze(1) + constants.corner_offsets
     clamped = torch.clamp(corner, constants.zero_index, levels.last)
     inside = clamped == corner
     weight = torch.where(
-        inside, torch.addcmul(constants.weight_at_0, f.unsqueeze(-2), constants.weight_slope), 0.0
+        inside, torch.addcmul(constants.weight_at_0, f.unsqueeze(1), constants.weight_slope), 0.0
     )
     offset = clamped.mul_(levels.stride)
     # The row of each query row's level pixel 0, (b * S + start) * M + m: one batch entry's for a
@@ -334,24 +347,24 @@ def _samples(levels: Levels, locations: Tensor, first: int, ctype: torch.dtype) 
         batch_rows = batch_first * levels.rows_per_batch
     else:
         batch = torch.arange(first, first + n, dtype=index).div_(levels.queries, rounding_mode="floor")
-        batch_rows = batch.mul_(levels.rows_per_batch).view(n, 1, 1, 1)
-    base = levels.head_rows.unsqueeze(1) + batch_rows  # (M or n x M, 1, L*K)
-    rows = (offset[:, :, 1] + base).unsqueeze(-2) + offset[:, :, 0].unsqueeze(-3)
+        batch_rows = batch.mul_(levels.rows_per_batch).view(n, 1, 1)
+    base = levels.head_rows + batch_rows  # (M or n x M, L*K)
+    rows = (offset[1] + base).unsqueeze(1) + offset[0].unsqueeze(0)
     return Samples(rows=rows, weight=weight, inside=inside)
 
 
 def _corner_products(samples: Samples, attn: Tensor) -> Tensor:
-    """(n, M, 2 [corner y], 2 [corner x], L*K): attention weight * bilinear weight of each corner,
-    from the attention weights as (n, M, 1, L*K); 0 on a corner outside its level where the
+    """(2 [corner y], 2 [corner x], n, M, L*K): attention weight * bilinear weight of each corner,
+    from the attention weights as (n, M, L*K); 0 on a corner outside its level where the
     attention weight is finite."""
-    wx, wy = samples.weight[:, :, 0], samples.weight[:, :, 1]
-    return (wy * attn).unsqueeze(-2) * wx.unsqueeze(-3)
+    wx, wy = samples.weight[0], samples.weight[1]
+    return (wy * attn).unsqueeze(1) * wx.unsqueeze(0)
 
 
 def _corner_weights(samples: Samples, attn: Tensor) -> Tensor:
     """`_corner_products`, exactly 0 on a corner outside its level also for a NaN attention weight
     (whose NaN must reach only the rows its sample reads)."""
-    inside = samples.inside[:, :, 1].unsqueeze(-2) & samples.inside[:, :, 0].unsqueeze(-3)
+    inside = samples.inside[1].unsqueeze(1) & samples.inside[0].unsqueeze(0)
     return torch.where(inside, _corner_products(samples, attn), 0.0)
 
 
@@ -366,10 +379,10 @@ def _chunks(query_rows: int, corners_per_query_row: int) -> list[tuple[int, int]
 
 
 def _flat_inputs(sampling_locations: Tensor, attention_weights: Tensor, ctype: torch.dtype):
-    """Locations as (B*Q, M, L*K, 2) and attention weights as (B*Q, M, 1, L*K) in ctype, as given
+    """Locations as (B*Q, M, L*K, 2) and attention weights as (B*Q, M, L*K) in ctype, as given
     (a non-finite one stays what it is: `_weights` makes it NaN where that is needed)."""
     B, Q, M, L, K, _ = sampling_locations.shape
-    return sampling_locations.reshape(B * Q, M, L * K, 2), attention_weights.reshape(B * Q, M, 1, L * K).to(ctype)
+    return sampling_locations.reshape(B * Q, M, L * K, 2), attention_weights.reshape(B * Q, M, L * K).to(ctype)
 
 
 def _cpu_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights) -> Tensor:
@@ -385,16 +398,19 @@ def _cpu_forward(value, spatial_shapes, level_start_index, sampling_locations, a
     out = torch.empty((B * Q, M * D), dtype=ctype)
     for first, last in _chunks(B * Q, M * 4 * L * K):
         samples = _samples(levels, locations[first:last], first, ctype)
-        bags = (last - first) * M
-        out[first:last] = F.embedding_bag(
-            samples.rows.reshape(bags, 4 * L * K),
+        # A bag of F.embedding_bag for each corner of each query and head (its L*K samples, which
+        # the corners-outermost layout keeps contiguous), then the four corners' sums added.
+        bags = 4 * (last - first) * M
+        corner_sums = F.embedding_bag(
+            samples.rows.view(bags, L * K),
             rows_of_value,
-            per_sample_weights=_corner_products(samples, attn[first:last]).reshape(bags, 4 * L * K),
+            per_sample_weights=_corner_products(samples, attn[first:last]).view(bags, L * K),
             mode="sum",
-        ).view(last - first, M * D)
+        )
+        torch.sum(corner_sums.view(4, -1), 0, out=out[first:last].view(-1))
     # A non-finite attention weight makes its (batch, query, head) NaN, inside its level or not:
     # w - w is 0 for a finite w and NaN otherwise, so each head adds 0 or NaN to its D channels.
-    out.view(B * Q, M, D).add_((attn - attn).sum(-1))
+    out.view(B * Q, M, D).add_((attn - attn).sum(-1, keepdim=True))
     if bool(torch.isnan(out.sum())):
         # An outside corner reads the nearest inside row with weight 0, and 0 * inf is NaN: where a
         # NaN came out (a non-finite value or weight, rare), the masked path says which are real.
@@ -403,16 +419,16 @@ def _cpu_forward(value, spatial_shapes, level_start_index, sampling_locations, a
 
 
 def _corner_dots(rows_of_value: Tensor, rows: Tensor, grad: Tensor) -> Tensor:
-    """(bags, per_bag): <grad[bag], rows_of_value[rows[bag, j]]>, BAGS_PER_GATHER bags at a time,
-    so that the gathered rows stay in cache. The gather is F.embedding_bag with bags of one row:
-    FBGEMM's kernel prefetches, and gathers a quarter faster than index_select."""
-    bags, per_bag = rows.shape
+    """(corners, bags, per_bag): <grad[bag], rows_of_value[rows[corner, bag, j]]>, BAGS_PER_GATHER
+    bags at a time, so that the gathered rows stay in cache. The gather is F.embedding_bag with
+    bags of one row: FBGEMM's kernel prefetches, and gathers a quarter faster than index_select."""
+    corners, bags, per_bag = rows.shape
     dots = torch.empty(rows.shape, dtype=grad.dtype)
     for first in range(0, bags, BAGS_PER_GATHER):
         last = min(bags, first + BAGS_PER_GATHER)
-        picked = F.embedding_bag(rows[first:last].reshape(-1, 1), rows_of_value, mode="sum")
-        picked = picked.view(last - first, per_bag, -1).mul_(grad[first:last].unsqueeze(1))
-        torch.sum(picked, -1, out=dots[first:last])
+        picked = F.embedding_bag(rows[:, first:last].reshape(-1, 1), rows_of_value, mode="sum")
+        picked = picked.view(corners, last - first, per_bag, -1).mul_(grad[first:last].unsqueeze(1))
+        torch.sum(picked, -1, out=dots[:, first:last])
     return dots
 
 
@@ -436,35 +452,35 @@ def _cpu_backward(
     corner_weights_of = _corner_products if finite else _corner_weights
     rows_of_value = value.reshape(-1, D).to(ctype)
     grad = grad_output.reshape(B * Q * M, D).to(ctype)
-    per_bag = 4 * L * K
-    size = levels.size.to(ctype).t()  # (L*K, 2)
+    LK = L * K
+    size = levels.size.to(ctype)  # (2, 1, M, L*K): W and H
     slope_of = _constants(levels.last.dtype, ctype).weight_slope  # d weight / d position of corners 0, 1
 
-    rows = torch.empty(B * Q * M * per_bag, dtype=levels.last.dtype)
-    weights = torch.empty(B * Q * M * per_bag, dtype=ctype)
-    grad_loc = torch.empty((B * Q, M, L * K, 2), dtype=ctype)
-    grad_attn = torch.empty((B * Q, M, L * K), dtype=ctype)
-    for first, last in _chunks(B * Q, M * per_bag):
+    # Every corner's row and weight, (4 corners, B*Q*M bags, L*K): grad_value's sums at the end.
+    rows = torch.empty((4, B * Q * M, LK), dtype=levels.last.dtype)
+    weights = torch.empty(rows.shape, dtype=ctype)
+    grad_loc = torch.empty((B * Q, M, LK, 2), dtype=ctype)
+    grad_attn = torch.empty((B * Q, M, LK), dtype=ctype)
+    for first, last in _chunks(B * Q, M * 4 * LK):
         samples = _samples(levels, locations[first:last], first, ctype)
-        corner_weights = corner_weights_of(samples, attn[first:last])
-        chunk = slice(first * M * per_bag, last * M * per_bag)
-        rows[chunk] = samples.rows.reshape(-1)
-        weights[chunk] = corner_weights.reshape(-1)
+        chunk_attn = attn[first:last]
+        bags = slice(first * M, last * M)
+        corner_rows = samples.rows.view(4, -1, LK)
+        rows[:, bags] = corner_rows
+        weights[:, bags] = corner_weights_of(samples, chunk_attn).view(4, -1, LK)
 
         # Each corner's dot product with grad_output, then the bilinear interpolation of those.
-        bags = slice(first * M, last * M)
-        dot = _corner_dots(rows_of_value, rows[chunk].view(-1, per_bag), grad[bags]).view(corner_weights.shape)
-        wx, wy = samples.weight[:, :, 0], samples.weight[:, :, 1]
-        along_x = (dot * wy.unsqueeze(-2)).sum(2)  # (n, M, 2 [corner x], L*K): interpolated in y
-        along_y = (dot * wx.unsqueeze(-3)).sum(3)  # (n, M, 2 [corner y], L*K): interpolated in x
-        grad_attn[first:last] = (along_y * wy).sum(2)
+        dot = _corner_dots(rows_of_value, corner_rows, grad[bags]).view(samples.rows.shape)
+        wx, wy = samples.weight[0], samples.weight[1]
+        along_x = (dot * wy.unsqueeze(1)).sum(0)  # (2 [corner x], n, M, L*K): interpolated in y
+        along_y = (dot * wx.unsqueeze(0)).sum(1)  # (2 [corner y], n, M, L*K): interpolated in x
+        torch.sum(along_y * wy, 0, out=grad_attn[first:last])
         # d/d position: -1 and +1 for corners 0 and 1 (0 outside); then the chain rule through
         # x * W - 0.5 (and y * H - 0.5), and the attention weight.
         slope = torch.where(samples.inside, slope_of, 0.0)
-        grad_x = (along_x * slope[:, :, 0]).sum(2)
-        grad_y = (along_y * slope[:, :, 1]).sum(2)
-        torch.mul(torch.stack((grad_x, grad_y), -1), attn[first:last].squeeze(2).unsqueeze(-1) * size,
-                  out=grad_loc[first:last])
+        for axis, along in enumerate((along_x, along_y)):
+            grad_position = (along * slope[axis]).sum(0).mul_(chunk_attn)
+            torch.mul(grad_position, size[axis], out=grad_loc[first:last, :, :, axis])
     if bool(torch.isnan(grad_attn.sum())):
         # An outside corner's dot came from the nearest inside row (`_cpu_forward` says why that can
         # be NaN): a NaN in grad_attn, which every such NaN reaches, hands the call to the masked path.
@@ -475,13 +491,16 @@ def _cpu_backward(
     # grad_value[row] = sum over the corners on that row of weight * grad_output[their query and
     # head]: the corners sorted by row (a stable sort: the sums' order is fixed), each row one
     # bag of F.embedding_bag over grad_output's rows.
+    rows = rows.view(-1)
     order = torch.sort(rows, stable=True).indices
-    sorted_weights = weights.index_select(0, order)
+    sorted_weights = weights.view(-1).index_select(0, order)
     counts = torch.bincount(rows, minlength=rows_of_value.shape[0])
     offsets = torch.zeros(rows_of_value.shape[0] + 1, dtype=torch.int64)
     torch.cumsum(counts, 0, out=offsets[1:])
+    # A corner's flat index is (corner * B*Q*M + bag) * L*K + sample: its bag, grad's row.
+    bag_of_sorted = order.div_(LK, rounding_mode="floor").remainder_(B * Q * M)
     grad_rows = F.embedding_bag(
-        order.div_(per_bag, rounding_mode="floor"),
+        bag_of_sorted,
         grad,
         offsets,
         per_sample_weights=sorted_weights,
