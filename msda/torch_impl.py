@@ -491,16 +491,18 @@ def _cpu_backward(
     # grad_value[row] = sum over the corners on that row of weight * grad_output[their query and
     # head]: the corners sorted by row (a stable sort: the sums' order is fixed), each row one
     # bag of F.embedding_bag over grad_output's rows.
+    index = rows.dtype
     rows = rows.view(-1)
     order = torch.sort(rows, stable=True).indices
     sorted_weights = weights.view(-1).index_select(0, order)
     counts = torch.bincount(rows, minlength=rows_of_value.shape[0])
-    offsets = torch.zeros(rows_of_value.shape[0] + 1, dtype=torch.int64)
+    offsets = torch.zeros(rows_of_value.shape[0] + 1, dtype=index)
     torch.cumsum(counts, 0, out=offsets[1:])
-    # A corner's flat index is (corner * B*Q*M + bag) * L*K + sample: its bag, grad's row.
-    bag_of_sorted = order.div_(LK, rounding_mode="floor").remainder_(B * Q * M)
+    # Each corner's bag (grad's row), in the corners' layout, picked in sorted order: in the index
+    # dtype, a gather, a third of the time of the int64 division and remainder of `order` (entry 93).
+    bag_of_corner = torch.arange(B * Q * M, dtype=index).view(1, -1, 1).expand(4, -1, LK)
     grad_rows = F.embedding_bag(
-        bag_of_sorted,
+        bag_of_corner.reshape(-1).index_select(0, order),
         grad,
         offsets,
         per_sample_weights=sorted_weights,
