@@ -210,10 +210,12 @@ def _masked_backward(
 # forwards up to 29% (one cell 9% slower, won back by equal chunks: `_chunks`), the most where
 # waking a thread is dear (bench/NOTES.md entry 81).
 CORNERS_PER_CHUNK = 2**18
-# The backward's corner dot products gather the rows of this many bags (query and head) at a
-# time: 512 against 256, even with 1 thread, 2-6% faster with 2, 9-12% under OMP_WAIT_POLICY=PASSIVE
-# (entry 82).
-BAGS_PER_GATHER = 512
+# The backward's corner dot products gather about this many corner rows at a time (the corners of
+# whole bags: query and head): 512 bags of 64 corners (Deformable DETR's L * K = 16) against 256,
+# even with 1 thread, 2-6% faster with 2, 9-12% under OMP_WAIT_POLICY=PASSIVE (entry 82); counted
+# in rows, not bags, since entry 93: at L * K = 4 a gather of 512 bags was a quarter as large, and
+# 2,048 bags were 12-14% faster.
+CORNER_ROWS_PER_GATHER = 2**15
 
 
 class Levels(NamedTuple):
@@ -419,13 +421,15 @@ def _cpu_forward(value, spatial_shapes, level_start_index, sampling_locations, a
 
 
 def _corner_dots(rows_of_value: Tensor, rows: Tensor, grad: Tensor) -> Tensor:
-    """(corners, bags, per_bag): <grad[bag], rows_of_value[rows[corner, bag, j]]>, BAGS_PER_GATHER
-    bags at a time, so that the gathered rows stay in cache. The gather is F.embedding_bag with
-    bags of one row: FBGEMM's kernel prefetches, and gathers a quarter faster than index_select."""
+    """(corners, bags, per_bag): <grad[bag], rows_of_value[rows[corner, bag, j]]>, the bags of about
+    CORNER_ROWS_PER_GATHER rows at a time, so that the gathered rows stay in cache. The gather is
+    F.embedding_bag with bags of one row: FBGEMM's kernel prefetches, and gathers a quarter faster
+    than index_select."""
     corners, bags, per_bag = rows.shape
     dots = torch.empty(rows.shape, dtype=grad.dtype)
-    for first in range(0, bags, BAGS_PER_GATHER):
-        last = min(bags, first + BAGS_PER_GATHER)
+    step = max(1, CORNER_ROWS_PER_GATHER // (corners * per_bag))
+    for first in range(0, bags, step):
+        last = min(bags, first + step)
         picked = F.embedding_bag(rows[:, first:last].reshape(-1, 1), rows_of_value, mode="sum")
         picked = picked.view(corners, last - first, per_bag, -1).mul_(grad[first:last].unsqueeze(1))
         torch.sum(picked, -1, out=dots[:, first:last])
