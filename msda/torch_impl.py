@@ -7,11 +7,12 @@ matches an exact computation of `x * W - 0.5`; float32 accumulation (float64 for
 
 - On CPU tensors, in eager mode (`_cpu_forward`, `_cpu_backward`), ATen's CPU kernels for the
   three sparse products MSDA is made of: the output is a weighted sum of L*K*4 rows of `value`
-  per query and head (F.embedding_bag, FBGEMM's kernel); the gradients of the weights and
-  locations need each corner's dot product with grad_output (the rows gathered a cache-sized
-  chunk at a time); grad_value is the transposed sum (the corners sorted by row, then
+  per query and head (F.embedding_bag, FBGEMM's kernel, a bag per corner); the gradients of the
+  weights and locations need each corner's dot product with grad_output (the rows gathered a
+  cache-sized chunk at a time); grad_value is the transposed sum (the corners sorted by row, then
   F.embedding_bag over grad_output's rows). The corners are computed a chunk of queries at a
-  time, and no (B, Q, M, L, K, D)-sized tensor is made. Under torch.compile the operator stays
+  time, laid out corners-outermost so that the passes between them run long inner loops
+  (`Samples`), and no (B, Q, M, L, K, D)-sized tensor is made. Under torch.compile the operator stays
   one node on CPU (msda/ops.py), which runs these kernels. A corner outside its level reads an
   in-range row with weight 0 instead of being skipped, so a non-finite number in `value` could
   reach the samples next to it as NaN: a call whose result holds a NaN is redone by the masked
@@ -214,7 +215,7 @@ CORNERS_PER_CHUNK = 2**18
 # whole bags: query and head): 512 bags of 64 corners (Deformable DETR's L * K = 16) against 256,
 # even with 1 thread, 2-6% faster with 2, 9-12% under OMP_WAIT_POLICY=PASSIVE (entry 82); counted
 # in rows, not bags, since entry 93: at L * K = 4 a gather of 512 bags was a quarter as large, and
-# 2,048 bags were 12-14% faster.
+# 2,048 bags took 8-14% off the backward.
 CORNER_ROWS_PER_GATHER = 2**15
 
 
