@@ -217,6 +217,12 @@ CORNERS_PER_CHUNK = 2**18
 # in rows, not bags, since entry 93: at L * K = 4 a gather of 512 bags was a quarter as large, and
 # 2,048 bags took 8-14% off the backward.
 CORNER_ROWS_PER_GATHER = 2**15
+# grad_value is summed by each sample's top-left cell (a sort of a quarter of the keys, then four
+# grad_value-sized sums, one a corner) where the corners are at least this many times the cells
+# of the padded grids (`Levels`), and by each corner's row (a sort of every corner, one sum) where
+# they are fewer: the four sums cost what the smaller sort saves at about 5 corners a cell (1.00-
+# 1.02x at 5, 0.87x at 3, 1.09x at 7, 1.6x at Deformable DETR's encoders; bench/NOTES.md entry 95).
+CELL_SUMS_MIN_CORNERS_PER_CELL = 5
 
 
 class Levels(NamedTuple):
@@ -229,6 +235,13 @@ class Levels(NamedTuple):
     last: Tensor  # (2, 1, 1, M, L*K) int: the last corner coordinate inside the level, W - 1 and H - 1
     stride: Tensor  # (2, 1, 1, M, L*K) int: rows of value.view(B*S*M, D) per step in x (M) and in y (W * M)
     head_rows: Tensor  # (M, L*K) int: the row of the level's first pixel for batch entry 0 and each head
+    # The cells of each level's grid padded by 2 before and 1 after in x and y ((H + 3) x (W + 3):
+    # every sample's top-left corner, floor() + 2 in [0, W + 2], lies on it), in rows of D like
+    # value's: `_grad_value_by_cells`.
+    cell_stride: Tensor  # (2, 1, M, L*K) int: rows per step in x (M) and in y ((W + 3) * M)
+    cell_head_rows: Tensor  # (M, L*K) int: the row of the padded level's first cell for batch entry 0 and each head
+    grids: tuple  # (H, W, start, padded start) of each level
+    cells_per_batch: int  # (sum of (H + 3) * (W + 3)) * M
     rows_per_batch: int  # S * M
     queries: int  # Q
 
@@ -242,6 +255,7 @@ class Samples(NamedTuple):
     rows: Tensor  # (2 [corner y], 2 [corner x], n, M, L*K): the row of value.view(B*S*M, D), in range
     weight: Tensor  # (2 [x | y], 2 [corner 0 | 1], n, M, L*K): the 1-D bilinear weights 1 - f and f, 0 outside
     inside: Tensor  # (2 [x | y], 2 [corner 0 | 1], n, M, L*K): the corner coordinate lies inside the level
+    cell: Tensor  # (2 [x | y], n, M, L*K) int: the top-left corner's coordinates + 2, in [0, W + 2]
 
 
 class _Constants(NamedTuple):
@@ -275,12 +289,17 @@ def _constants(index: torch.dtype, ctype: torch.dtype) -> _Constants:
 def _levels(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor, sampling_locations: Tensor) -> Levels:
     B, S, M, _ = value.shape
     _, Q, _, L, K, _ = sampling_locations.shape
-    # int32 rows when every row of value and every corner fits: FBGEMM and the sort are faster.
-    index = torch.int32 if max(B * S * M, 2 * sampling_locations.numel()) < 2**31 else torch.int64
     # The levels as Python numbers (CPU tensors, which the operator has checked: reading them is free).
     heights, widths = zip(*spatial_shapes.tolist())
-    tensors = _level_tensors(heights, widths, tuple(level_start_index.tolist()), M, K, index)
-    return Levels(*tensors, rows_per_batch=S * M, queries=Q)
+    starts = tuple(level_start_index.tolist())
+    padded_starts = _padded_starts(heights, widths)
+    cells_per_batch = padded_starts[-1] * M  # more than S * M: the padded grids hold every level
+    # int32 rows when every row of value, every padded cell and every corner fits: FBGEMM and the
+    # sort are faster.
+    index = torch.int32 if max(B * cells_per_batch, 2 * sampling_locations.numel()) < 2**31 else torch.int64
+    tensors = _level_tensors(heights, widths, starts, M, K, index)
+    grids = tuple(zip(heights, widths, starts, padded_starts))
+    return Levels(*tensors, grids=grids, cells_per_batch=cells_per_batch, rows_per_batch=S * M, queries=Q)
 
 
 @functools.lru_cache(maxsize=64)
@@ -300,8 +319,23 @@ def _level_tensors(heights: tuple, widths: tuple, starts: tuple, M: int, K: int,
 
     size = per_head([W, H], torch.float64)
     last_and_stride = per_head([[w - 1 for w in W], [h - 1 for h in H], [M] * LK, [w * M for w in W]], index)
-    head_rows = torch.tensor([[start * M + m for start in per_sample(starts)] for m in range(M)], dtype=index)
-    return size, size + 2, last_and_stride[0:2].unsqueeze(1), last_and_stride[2:4].unsqueeze(1), head_rows
+
+    def rows_of_heads(level_starts) -> Tensor:  # (M, L*K): level_starts[l] * M + m
+        return torch.tensor([[start * M + m for start in per_sample(level_starts)] for m in range(M)], dtype=index)
+
+    cell_stride = per_head([[M] * LK, [(w + 3) * M for w in W]], index)
+    return (
+        size, size + 2, last_and_stride[0:2].unsqueeze(1), last_and_stride[2:4].unsqueeze(1), rows_of_heads(starts),
+        cell_stride, rows_of_heads(_padded_starts(heights, widths)[:-1]),
+    )
+
+
+def _padded_starts(heights: tuple, widths: tuple) -> list:
+    """The first cell of each level's padded grid ((H + 3) x (W + 3): `Levels`), and their total."""
+    starts = [0]
+    for h, w in zip(heights, widths):
+        starts.append(starts[-1] + (h + 3) * (w + 3))
+    return starts
 
 
 def _samples(levels: Levels, locations: Tensor, first: int, ctype: torch.dtype) -> Samples:
@@ -343,17 +377,27 @@ def _samples(levels: Levels, locations: Tensor, first: int, ctype: torch.dtype) 
         inside, torch.addcmul(constants.weight_at_0, f.unsqueeze(1), constants.weight_slope), 0.0
     )
     offset = clamped.mul_(levels.stride)
-    # The row of each query row's level pixel 0, (b * S + start) * M + m: one batch entry's for a
-    # chunk inside one (the common case), else each query row's.
+    # The row of each query row's level pixel 0, (b * S + start) * M + m.
+    base = levels.head_rows + _batch_offset(levels, first, n, levels.rows_per_batch, index)  # (M or n x M, L*K)
+    rows = (offset[1] + base).unsqueeze(1) + offset[0].unsqueeze(0)
+    return Samples(rows=rows, weight=weight, inside=inside, cell=cell)
+
+
+def _batch_offset(levels: Levels, first: int, n: int, per_batch: int, index: torch.dtype):
+    """b * per_batch for query rows first .. first + n: one batch entry's number for a chunk inside
+    one (the common case), else each query row's, (n, 1, 1)."""
     batch_first, batch_last = first // levels.queries, (first + n - 1) // levels.queries
     if batch_first == batch_last:
-        batch_rows = batch_first * levels.rows_per_batch
-    else:
-        batch = torch.arange(first, first + n, dtype=index).div_(levels.queries, rounding_mode="floor")
-        batch_rows = batch.mul_(levels.rows_per_batch).view(n, 1, 1)
-    base = levels.head_rows + batch_rows  # (M or n x M, L*K)
-    rows = (offset[1] + base).unsqueeze(1) + offset[0].unsqueeze(0)
-    return Samples(rows=rows, weight=weight, inside=inside)
+        return batch_first * per_batch
+    batch = torch.arange(first, first + n, dtype=index).div_(levels.queries, rounding_mode="floor")
+    return batch.mul_(per_batch).view(n, 1, 1)
+
+
+def _top_left_cells(levels: Levels, samples: Samples, first: int) -> Tensor:
+    """(n, M, L*K): the row of each sample's top-left cell in the padded grids of `Levels`."""
+    n = samples.cell.shape[1]
+    cells = (samples.cell * levels.cell_stride).sum(0, dtype=samples.cell.dtype)
+    return cells.add_(levels.cell_head_rows).add_(_batch_offset(levels, first, n, levels.cells_per_batch, cells.dtype))
 
 
 def _corner_products(samples: Samples, attn: Tensor) -> Tensor:
@@ -461,9 +505,13 @@ def _cpu_backward(
     size = levels.size.to(ctype)  # (2, 1, M, L*K): W and H
     slope_of = _constants(levels.last.dtype, ctype).weight_slope  # d weight / d position of corners 0, 1
 
-    # Every corner's row and weight, (4 corners, B*Q*M bags, L*K): grad_value's sums at the end.
-    rows = torch.empty((4, B * Q * M, LK), dtype=levels.last.dtype)
-    weights = torch.empty(rows.shape, dtype=ctype)
+    # Every corner's weight, (4 corners, B*Q*M bags, L*K), and every corner's row or every
+    # sample's top-left cell (`_grad_value_by_rows`, `_grad_value_by_cells`): grad_value's sums at
+    # the end.
+    index = levels.last.dtype
+    by_cells = 4 * B * Q * M * LK >= CELL_SUMS_MIN_CORNERS_PER_CELL * B * levels.cells_per_batch
+    weights = torch.empty((4, B * Q * M, LK), dtype=ctype)
+    keys = torch.empty(weights.shape[1:] if by_cells else weights.shape, dtype=index)
     grad_loc = torch.empty((B * Q, M, LK, 2), dtype=ctype)
     grad_attn = torch.empty((B * Q, M, LK), dtype=ctype)
     for first, last in _chunks(B * Q, M * 4 * LK):
@@ -471,7 +519,10 @@ def _cpu_backward(
         chunk_attn = attn[first:last]
         bags = slice(first * M, last * M)
         corner_rows = samples.rows.view(4, -1, LK)
-        rows[:, bags] = corner_rows
+        if by_cells:
+            keys[bags] = _top_left_cells(levels, samples, first).view(-1, LK)
+        else:
+            keys[:, bags] = corner_rows
         weights[:, bags] = corner_weights_of(samples, chunk_attn).view(4, -1, LK)
 
         # Each corner's dot product with grad_output, then the bilinear interpolation of those.
@@ -493,32 +544,72 @@ def _cpu_backward(
             grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights
         )
 
-    # grad_value[row] = sum over the corners on that row of weight * grad_output[their query and
-    # head]: the corners sorted by row (a stable sort: the sums' order is fixed), each row one
-    # bag of F.embedding_bag over grad_output's rows.
-    index = rows.dtype
-    rows = rows.view(-1)
-    order = torch.sort(rows, stable=True).indices
-    sorted_weights = weights.view(-1).index_select(0, order)
-    counts = torch.bincount(rows, minlength=rows_of_value.shape[0])
-    offsets = torch.zeros(rows_of_value.shape[0] + 1, dtype=index)
-    torch.cumsum(counts, 0, out=offsets[1:])
-    # Each corner's bag (grad's row), in the corners' layout, picked in sorted order: in the index
-    # dtype, a gather, a third of the time of the int64 division and remainder of `order` (entry 93).
-    bag_of_corner = torch.arange(B * Q * M, dtype=index).view(1, -1, 1).expand(4, -1, LK)
-    grad_rows = F.embedding_bag(
-        bag_of_corner.reshape(-1).index_select(0, order),
-        grad,
-        offsets,
-        per_sample_weights=sorted_weights,
-        mode="sum",
-        include_last_offset=True,
-    )
+    if by_cells:
+        grad_value = _grad_value_by_cells(levels, keys, weights, grad, B)
+    else:
+        grad_value = _grad_value_by_rows(keys, weights, grad, rows_of_value.shape[0])
     return (
-        grad_rows.view(value.shape).to(value.dtype),
+        grad_value.view(value.shape).to(value.dtype),
         grad_loc.view(sampling_locations.shape).to(sampling_locations.dtype),
         grad_attn.view(attention_weights.shape).to(attention_weights.dtype),
     )
+
+
+def _sorted_sums(keys: Tensor, weights: Tensor, grad: Tensor, rows: int) -> Iterator[Tensor]:
+    """(rows, D) sums of weight * grad[bag] by key, the keys sorted once (a stable sort: the sums'
+    order is fixed) and each key one bag of F.embedding_bag over grad's rows. `weights` is
+    (corners, bags, L*K); `keys`, rows in [0, rows), is laid out like it (one sum, of every corner)
+    or (bags, L*K), shared by the corners (a sum for each corner)."""
+    index = keys.dtype
+    flat = keys.view(-1)
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=rows)
+    offsets = torch.zeros(rows + 1, dtype=index)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    # Each key's bag (grad's row), in the keys' layout, picked in sorted order: in the index dtype,
+    # a gather, a third of the time of an int64 division and remainder of `order` (entry 93).
+    bag_of_key = torch.arange(weights.shape[1], dtype=index).view(-1, 1).expand(keys.shape)
+    bag_of_sorted = bag_of_key.reshape(-1).index_select(0, order)
+    slices = [weights] if keys.dim() == weights.dim() else weights.unbind(0)
+    for weights_slice in slices:
+        yield F.embedding_bag(
+            bag_of_sorted,
+            grad,
+            offsets,
+            per_sample_weights=weights_slice.reshape(-1).index_select(0, order),
+            mode="sum",
+            include_last_offset=True,
+        )
+
+
+def _grad_value_by_rows(rows: Tensor, weights: Tensor, grad: Tensor, value_rows: int) -> Tensor:
+    """grad_value as (B*S*M, D): each row the sum of weight * grad_output[query and head] over the
+    corners on it, from every corner's row and weight, (4, B*Q*M, L*K)."""
+    return next(_sorted_sums(rows, weights, grad, value_rows))
+
+
+def _grad_value_by_cells(levels: Levels, cells: Tensor, weights: Tensor, grad: Tensor, B: int) -> Tensor:
+    """grad_value as (B, S, M, D), from each sample's top-left cell in the padded grids of `Levels`,
+    (B*Q*M, L*K), and its corners' weights, (4, B*Q*M, L*K): the samples sorted by cell once, a
+    quarter of the keys `_grad_value_by_rows` sorts; then for each corner the sums by top-left
+    cell, shifted onto the corner's pixel (a cell's right corner is the pixel one step right of
+    it), the padding, which takes every corner outside its level, left out."""
+    M, D = levels.cell_head_rows.shape[0], grad.shape[1]
+    grad_value = torch.empty((B, levels.rows_per_batch // M, M, D), dtype=grad.dtype)
+    sums = _sorted_sums(cells, weights, grad, B * levels.cells_per_batch)
+    for corner, by_cell in enumerate(sums):  # corners (y, x): (0, 0), (0, 1), (1, 0), (1, 1)
+        dy, dx = divmod(corner, 2)
+        by_cell = by_cell.view(B, levels.cells_per_batch // M, M, D)
+        for h, w, start, padded_start in levels.grids:
+            grid = by_cell[:, padded_start : padded_start + (h + 3) * (w + 3)].view(B, h + 3, w + 3, M, D)
+            # Pixel (y, x) is this corner of cell (y - dy, x - dx), at (y - dy + 2, x - dx + 2) here.
+            shifted = grid[:, 2 - dy : h + 2 - dy, 2 - dx : w + 2 - dx]
+            level = grad_value[:, start : start + h * w].view(B, h, w, M, D)
+            if corner == 0:
+                level.copy_(shifted)
+            else:
+                level.add_(shifted)
+    return grad_value
 
 
 # --- The softmax operators: attention logits, normalized over the L * K samples of each head ---

@@ -20,6 +20,7 @@ import dataclasses
 import pytest
 import torch
 
+from msda import torch_impl
 from msda.testing import Inputs, Shape, make_inputs, reference_with_grads, relative_error, tolerance
 
 from .test_edge_cases import backend, needs_interpreter, run
@@ -140,4 +141,14 @@ def cases():
 @pytest.mark.parametrize("path,dtype,kind", cases())
 def test_non_finite_weight_makes_its_output_nan(path, dtype, kind):
     with backend(path):
+        check(build(dtype, kind))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_non_finite_weight_with_grad_value_by_cells(dtype, kind, monkeypatch):
+    """The CPU path's grad_value summed by each sample's top-left cell (what dense shapes take;
+    this shape's density picks the sum by row): NaN reaches only the rows its inside corners read."""
+    monkeypatch.setattr(torch_impl, "CELL_SUMS_MIN_CORNERS_PER_CELL", 0)
+    with backend("torch"):
         check(build(dtype, kind))
