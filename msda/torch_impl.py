@@ -10,7 +10,8 @@ matches an exact computation of `x * W - 0.5`; float32 accumulation (float64 for
   per query and head (F.embedding_bag, FBGEMM's kernel, a bag per corner); the gradients of the
   weights and locations need each corner's dot product with grad_output (the rows gathered a
   cache-sized chunk at a time); grad_value is the transposed sum (the corners sorted by row, then
-  F.embedding_bag over grad_output's rows). The corners are computed a chunk of queries at a
+  F.embedding_bag over grad_output's rows; where samples are dense, sorted by their top-left
+  cell instead, a quarter of the keys: `_grad_value_by_cells`). The corners are computed a chunk of queries at a
   time, laid out corners-outermost so that the passes between them run long inner loops
   (`Samples`), and no (B, Q, M, L, K, D)-sized tensor is made. Under torch.compile the operator stays
   one node on CPU (msda/ops.py), which runs these kernels. A corner outside its level reads an
