@@ -298,13 +298,15 @@ def _levels(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor, sa
     # int32 rows when every row of value, every padded cell and every corner fits: FBGEMM and the
     # sort are faster.
     index = torch.int32 if max(B * cells_per_batch, 2 * sampling_locations.numel()) < 2**31 else torch.int64
-    tensors = _level_tensors(heights, widths, starts, M, K, index)
+    tensors = _level_tensors(heights, widths, starts, padded_starts, M, K, index)
     grids = tuple(zip(heights, widths, starts, padded_starts))
     return Levels(*tensors, grids=grids, cells_per_batch=cells_per_batch, rows_per_batch=S * M, queries=Q)
 
 
 @functools.lru_cache(maxsize=64)
-def _level_tensors(heights: tuple, widths: tuple, starts: tuple, M: int, K: int, index: torch.dtype) -> tuple:
+def _level_tensors(
+    heights: tuple, widths: tuple, starts: tuple, padded_starts: tuple, M: int, K: int, index: torch.dtype
+) -> tuple:
     """Levels' tensor fields, made from the levels' numbers once for each set of them (a few
     calls, where computing them from the tensors took a few dozen: bench/NOTES.md entry 84).
     Shared between calls: never written."""
@@ -327,16 +329,16 @@ def _level_tensors(heights: tuple, widths: tuple, starts: tuple, M: int, K: int,
     cell_stride = per_head([[M] * LK, [(w + 3) * M for w in W]], index)
     return (
         size, size + 2, last_and_stride[0:2].unsqueeze(1), last_and_stride[2:4].unsqueeze(1), rows_of_heads(starts),
-        cell_stride, rows_of_heads(_padded_starts(heights, widths)[:-1]),
+        cell_stride, rows_of_heads(padded_starts[:-1]),
     )
 
 
-def _padded_starts(heights: tuple, widths: tuple) -> list:
+def _padded_starts(heights: tuple, widths: tuple) -> tuple:
     """The first cell of each level's padded grid ((H + 3) x (W + 3): `Levels`), and their total."""
     starts = [0]
     for h, w in zip(heights, widths):
         starts.append(starts[-1] + (h + 3) * (w + 3))
-    return starts
+    return tuple(starts)
 
 
 def _samples(levels: Levels, locations: Tensor, first: int, ctype: torch.dtype) -> Samples:
