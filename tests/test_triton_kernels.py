@@ -12,7 +12,7 @@ from msda import ops
 from msda.kernels import backward as backward_kernel
 from msda.kernels import forward as forward_kernel
 from msda.kernels import launch
-from msda.testing import Shape, make_inputs, reference_with_grads, relative_error
+from msda.testing import DETR_LEVELS, Shape, make_inputs, reference_with_grads, relative_error
 from msda.testing_cases import EdgeCase
 
 from .helpers import assert_matches_reference, forward_backward, random_like_output
@@ -64,6 +64,19 @@ def test_grad_value_accumulator(monkeypatch, dtype):
         picked = backward_kernel.grad_value_accumulator_dtype(inputs.value, shape.queries, levels, points)
         assert picked == expected, (shape, min_elements)
         check(inputs)
+
+
+def test_replicas_and_float32_sums_by_samples_a_row():
+    """The two density lines of msda/kernels/backward.py: replicas only past one sample a value
+    row (DINO's decoder, 0.65 a row, takes none: its levels stay under SAMPLES_PER_REPLICA a
+    pixel), and a small half-precision grad_value summed in float32 past a quarter of one."""
+    S, L, K = sum(h * w for h, w in DETR_LEVELS), len(DETR_LEVELS), 4
+    assert backward_kernel.replica_rows(torch.float16, 900, S, L, K) is None  # 0.65 a row
+    assert backward_kernel.replica_rows(torch.float16, S // (L * K), S, L, K) is None  # 1 a row
+    assert backward_kernel.replica_rows(torch.float16, S // (L * K) + 1, S, L, K) is not None
+    value = torch.empty(1, 1000, 1, 1, dtype=torch.float16)  # under NATIVE_MIN_ELEMENTS
+    assert backward_kernel.grad_value_accumulator_dtype(value, 62, 1, 4) == torch.float16  # 0.248 a row
+    assert backward_kernel.grad_value_accumulator_dtype(value, 125, 1, 4) == torch.float32  # 0.5 a row
 
 
 def test_few_elements_that_cancel():

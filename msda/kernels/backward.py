@@ -587,7 +587,7 @@ def grad_value_accumulator_dtype(value: torch.Tensor, num_queries, num_levels: i
         value.device.type != "cuda" or torch.cuda.get_device_capability(value.device) < (9, 0)
     ):
         return torch.float32
-    sparse = num_queries * num_levels * num_points <= REPLICAS_MIN_SAMPLES_PER_ROW * value.shape[1]
+    sparse = num_queries * num_levels * num_points <= NATIVE_MAX_SAMPLES_PER_ROW * value.shape[1]
     if sparse or value.numel() >= NATIVE_MIN_ELEMENTS:
         return value.dtype
     return torch.float32
@@ -600,13 +600,21 @@ def grad_value_accumulator_dtype(value: torch.Tensor, num_queries, num_levels: i
 # speed hardly matters, dense samples are summed in float32 (the smallest value of a Deformable
 # DETR layer at a 256 x 256 image, 348 k elements, is below it; the presets, 11 M and 23 M, above).
 NATIVE_MIN_ELEMENTS = 2**20
+# ... but where a (batch, head) has at most this many samples a value row (Q * L * K = 4,800 over
+# S = 22,223 at the decoder preset; the coarsest level there has 4.4 samples a pixel), a grad_value
+# of any size sums in its own dtype.
+NATIVE_MAX_SAMPLES_PER_ROW = 0.25
 
 # Where a (batch, head) has at most this many samples a value row, the replicas' buffer and the
-# fold are skipped (two launches, a few microseconds against the decoder's 40): there (Q * L * K
-# = 4,800 samples over S = 22,223 rows at the decoder preset) no level of a feature pyramid
-# reaches SAMPLES_PER_REPLICA samples a pixel (the decoder's coarsest has 4.4). A pyramid with a
-# level of a few pixels under thousands of queries would, and sums it unreplicated.
-REPLICAS_MIN_SAMPLES_PER_ROW = 0.25
+# fold are skipped (a fill and a launch, and the eager backward's prepared launch). In a feature
+# pyramid whose levels shrink 4x a step, the coarsest of 4 levels holds about 1/80 of the pixels:
+# below 1 sample a row its samples a pixel stay near or under SAMPLES_PER_REPLICA (RT-DETR 3.0 and
+# DINO 13.2, which at 0.25 had a buffer and a fold with nothing in them). A level of a few pixels
+# under many queries, such as DINO's fifth (7 x 11 at 800 x 1333, 47 samples a pixel at 0.81 a
+# row), then sums unreplicated. Against 0.25 (bench/NOTES.md entry 96, an H100, half precision):
+# RT-DETR's decoder backward 23% faster, DINO's 10%, with its fifth level 7.5% (grad_value's error
+# 7.6e-4 -> 8.9e-4 in float16, 5.9e-3 -> 6.8e-3 in bfloat16, against 2e-3 and 1.6e-2).
+REPLICAS_MIN_SAMPLES_PER_ROW = 1.0
 
 
 def replica_rows(
