@@ -606,7 +606,8 @@ NATIVE_MIN_ELEMENTS = 2**20
 NATIVE_MAX_SAMPLES_PER_ROW = 0.25
 
 # Where a (batch, head) has at most this many samples a value row, the replicas' buffer and the
-# fold are skipped (a fill and a launch, and the eager backward's prepared launch). In a feature
+# fold are skipped (a fill and a launch, and the step loop: the lane placement and the eager
+# backward's prepared launch add only into grad_value, launch.py). In a feature
 # pyramid whose levels shrink 4x a step, the coarsest of 4 levels holds about 1/80 of the pixels:
 # below 1 sample a row its samples a pixel stay near or under SAMPLES_PER_REPLICA (RT-DETR 3.0 and
 # DINO 13.2, which at 0.25 had a buffer and a fold with nothing in them). A level of a few pixels
