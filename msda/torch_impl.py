@@ -6,18 +6,18 @@ float64), so the cell a sample falls in (and the location gradient, which jumps 
 matches an exact computation of `x * W - 0.5`; float32 accumulation (float64 for float64 inputs).
 
 - On CPU tensors, in eager mode (`_cpu_forward`, `_cpu_backward`), ATen's CPU kernels for the
-  three sparse products MSDA is made of: the output is a weighted sum of L*K*4 rows of `value`
-  per query and head (F.embedding_bag, FBGEMM's kernel, a bag per corner); the gradients of the
+  three sparse products MSDA is made of: the output is a weighted sum of L*K*4 rows of `value` per
+  query and head (F.embedding_bag, FBGEMM's kernel, a bag per corner); the gradients of the
   weights and locations need each corner's dot product with grad_output (the rows gathered a
   cache-sized chunk at a time); grad_value is the transposed sum (the corners sorted by row, then
-  F.embedding_bag over grad_output's rows; where samples are dense, sorted by their top-left
-  cell instead, a quarter of the keys: `_grad_value_by_cells`). The corners are computed a chunk of queries at a
-  time, laid out corners-outermost so that the passes between them run long inner loops
-  (`Samples`), and no (B, Q, M, L, K, D)-sized tensor is made. Under torch.compile the operator stays
-  one node on CPU (msda/ops.py), which runs these kernels. A corner outside its level reads an
-  in-range row with weight 0 instead of being skipped, so a non-finite number in `value` could
-  reach the samples next to it as NaN: a call whose result holds a NaN is redone by the masked
-  path below (`_masked_forward`, `_masked_backward`), which says which NaNs are real.
+  F.embedding_bag over grad_output's rows; where samples are dense, sorted by their top-left cell
+  instead, a quarter of the keys: `_grad_value_by_cells`). The corners are computed a chunk of
+  queries at a time, laid out corners-outermost so that the passes between them run long inner
+  loops (`Samples`), and no (B, Q, M, L, K, D)-sized tensor is made. Under torch.compile the
+  operator stays one node on CPU (msda/ops.py), which runs these kernels. A corner outside its
+  level reads an in-range row with weight 0 instead of being skipped, so a non-finite number in
+  `value` could reach the samples next to it as NaN: a call whose result holds a NaN is redone by
+  the masked path below (`_masked_forward`, `_masked_backward`), which says which NaNs are real.
 - Elsewhere (CUDA in deterministic mode, MPS, other devices, and any tracing of the body), gathers
   (index_select) and scatters (index_add_) over `value` viewed as rows of D channels, a corner at a
   time, so that it allocates no (B, Q, M, L, K, D)-sized index tensor and has no data-dependent

@@ -607,14 +607,14 @@ NATIVE_MAX_SAMPLES_PER_ROW = 0.25
 
 # Where a (batch, head) has at most this many samples a value row, the replicas' buffer and the
 # fold are skipped (a fill and a launch, and the step loop: the lane placement and the eager
-# backward's prepared launch add only into grad_value, launch.py). In a feature
-# pyramid whose levels shrink 4x a step, the coarsest of 4 levels holds about 1/80 of the pixels:
-# below 1 sample a row its samples a pixel stay near or under SAMPLES_PER_REPLICA (RT-DETR 3.0 and
-# DINO 13.2, which at 0.25 had a buffer and a fold with nothing in them). A level of a few pixels
-# under many queries, such as DINO's fifth (7 x 11 at 800 x 1333, 47 samples a pixel at 0.81 a
-# row), then sums unreplicated. Against 0.25 (bench/NOTES.md entry 96, an H100, half precision):
-# RT-DETR's decoder backward 23% faster, DINO's 10%, with its fifth level 7.5% (grad_value's error
-# 7.6e-4 -> 8.9e-4 in float16, 5.9e-3 -> 6.8e-3 in bfloat16, against 2e-3 and 1.6e-2).
+# backward's prepared launch add only into grad_value, launch.py). In a feature pyramid whose
+# levels shrink 4x a step, the coarsest of 4 levels holds about 1/80 of the pixels: below 1 sample
+# a row its samples a pixel stay near or under SAMPLES_PER_REPLICA (RT-DETR 3.0 and DINO 13.2,
+# which at 0.25 had a buffer and a fold with nothing in them). A level of a few pixels under many
+# queries, such as DINO's fifth (7 x 11 at 800 x 1333, 47 samples a pixel at 0.81 a row), then
+# sums unreplicated. Against 0.25 (bench/NOTES.md entry 96, an H100, half precision): RT-DETR's
+# decoder backward 23% faster, DINO's 10%, with its fifth level 7.5% (grad_value's error 7.6e-4 ->
+# 8.9e-4 in float16, 5.9e-3 -> 6.8e-3 in bfloat16, against 2e-3 and 1.6e-2).
 REPLICAS_MIN_SAMPLES_PER_ROW = 1.0
 
 
