@@ -7,8 +7,7 @@ distributions: the relative error of grad_value against the float64 reference, a
 backward's device time (graph replay, zeroing and the fold included, not the float32 cast), when the
 kernel scatters into value's dtype directly, into value's dtype with replicas of the dense
 levels (`level_replicas`), and into a float32 buffer. This is the evidence behind
-SAMPLES_PER_REPLICA and REPLICAS_MIN_SAMPLES_PER_ROW in msda/kernels/backward.py (bench/NOTES.md
-entry 33).
+SAMPLES_PER_REPLICA in msda/kernels/backward.py (bench/NOTES.md entries 33 and 97).
 """
 
 from __future__ import annotations

@@ -107,6 +107,29 @@ def msda_backward_kernel(
         first_param = ((b * num_queries + query) * NUM_HEADS + m) * SAMPLES  # [1, 1, BLOCK_Q, 1]
         # Programs start at another level and wrap round, as in the step loop (it says why).
         first_level = q_block % NUM_LEVELS
+        if REPLICAS:
+            # Per level (tuples of NUM_LEVELS): the offset from an element of its grad_value rows
+            # to the same element of this program's replica of them, and whether the program has
+            # one (replica 0 is grad_value itself), as the step loop picks it. (Inline: a helper
+            # given shapes_ptr makes torch.compile believe it is written, bench/NOTES.md entry 38.)
+            shifts = ()
+            redirected = ()
+            used = b * 0  # replica rows (a batch) taken by the levels before
+            level_start = b * 0  # (names of their own: the round loop below carries h, w and start)
+            for each in tl.static_range(NUM_LEVELS):
+                level_h = tl.load(shapes_ptr + 2 * each).to(b.dtype)
+                level_w = tl.load(shapes_ptr + 2 * each + 1).to(b.dtype)
+                if LEVEL_STARTS:
+                    level_start = tl.load(starts_ptr + each).to(b.dtype)
+                replicas, area = level_replicas(level_h, level_w, used, num_queries, replica_rows, NUM_POINTS)
+                replica = q_block % replicas
+                level_row = (b * num_values + level_start) * NUM_HEADS + m
+                replica_row = (b * replica_rows + used + (replica - 1) * area) * NUM_HEADS + m
+                shifts = shifts + ((replica_row - level_row) * HEAD_DIM,)
+                redirected = redirected + (replica > 0,)
+                used += (replicas - 1) * area
+                if not LEVEL_STARTS:
+                    level_start += level_h * level_w
         for r in tl.range(0, ROUNDS):
             sample = group + GROUPS * (lane + LANES * r)  # [LANES, GROUPS, 1, 1]
             ok = (sample < SAMPLES) & (query < num_queries)
@@ -142,6 +165,12 @@ def msda_backward_kernel(
                     row, below, corners, a_top, a_bottom, fx, k, lane, channel, True, HEAD_DIM, LANES, PACK_CORNERS,
                     SHUFFLE,
                 )  # fmt: skip
+                accumulator = grad_value_ptr  # where turn k's adds go: grad_value, or its level's replica
+                if REPLICAS:
+                    accumulator = _turn_accumulator(
+                        grad_value_ptr, replica_ptr, shifts, redirected, group + GROUPS * (k + LANES * r), first_level,
+                        NUM_LEVELS, NUM_POINTS,
+                    )  # fmt: skip
                 v_tl = tl.load(value_ptr + top_row, mask=((inside & 1) != 0) & d_ok, other=0.0,
                                eviction_policy=VALUE_EVICTION)  # fmt: skip
                 v_tr = tl.load(value_ptr + top_row + ROW, mask=((inside & 2) != 0) & d_ok, other=0.0,
@@ -155,6 +184,12 @@ def msda_backward_kernel(
                         row, below, corners, a_top, a_bottom, fx, k + 1, lane, channel, k + 1 < TURNS, HEAD_DIM,
                         LANES, PACK_CORNERS, SHUFFLE,
                     )  # fmt: skip
+                    accumulator_2 = grad_value_ptr
+                    if REPLICAS:
+                        accumulator_2 = _turn_accumulator(
+                            grad_value_ptr, replica_ptr, shifts, redirected, group + GROUPS * (k + 1 + LANES * r),
+                            first_level, NUM_LEVELS, NUM_POINTS,
+                        )  # fmt: skip
                     v_tl_2 = tl.load(value_ptr + top_row_2, mask=((inside_2 & 1) != 0) & d_ok, other=0.0,
                                      eviction_policy=VALUE_EVICTION)  # fmt: skip
                     v_tr_2 = tl.load(value_ptr + top_row_2 + ROW, mask=((inside_2 & 2) != 0) & d_ok, other=0.0,
@@ -163,22 +198,22 @@ def msda_backward_kernel(
                                      eviction_policy=VALUE_EVICTION)  # fmt: skip
                     v_br_2 = tl.load(value_ptr + bottom_row_2 + ROW, mask=((inside_2 & 8) != 0) & d_ok, other=0.0,
                                      eviction_policy=VALUE_EVICTION)  # fmt: skip
-                tl.atomic_add(grad_value_ptr + top_row, (w_tl * grad_out).to(ACCUMULATOR),
+                tl.atomic_add(accumulator + top_row, (w_tl * grad_out).to(ACCUMULATOR),
                               mask=((inside & 1) != 0) & d_ok, sem="relaxed")  # fmt: skip
-                tl.atomic_add(grad_value_ptr + top_row + ROW, (w_tr * grad_out).to(ACCUMULATOR),
+                tl.atomic_add(accumulator + top_row + ROW, (w_tr * grad_out).to(ACCUMULATOR),
                               mask=((inside & 2) != 0) & d_ok, sem="relaxed")  # fmt: skip
-                tl.atomic_add(grad_value_ptr + bottom_row, (w_bl * grad_out).to(ACCUMULATOR),
+                tl.atomic_add(accumulator + bottom_row, (w_bl * grad_out).to(ACCUMULATOR),
                               mask=((inside & 4) != 0) & d_ok, sem="relaxed")  # fmt: skip
-                tl.atomic_add(grad_value_ptr + bottom_row + ROW, (w_br * grad_out).to(ACCUMULATOR),
+                tl.atomic_add(accumulator + bottom_row + ROW, (w_br * grad_out).to(ACCUMULATOR),
                               mask=((inside & 8) != 0) & d_ok, sem="relaxed")  # fmt: skip
                 if LANE_UNROLL == 2:
-                    tl.atomic_add(grad_value_ptr + top_row_2, (w_tl_2 * grad_out).to(ACCUMULATOR),
+                    tl.atomic_add(accumulator_2 + top_row_2, (w_tl_2 * grad_out).to(ACCUMULATOR),
                                   mask=((inside_2 & 1) != 0) & d_ok, sem="relaxed")  # fmt: skip
-                    tl.atomic_add(grad_value_ptr + top_row_2 + ROW, (w_tr_2 * grad_out).to(ACCUMULATOR),
+                    tl.atomic_add(accumulator_2 + top_row_2 + ROW, (w_tr_2 * grad_out).to(ACCUMULATOR),
                                   mask=((inside_2 & 2) != 0) & d_ok, sem="relaxed")  # fmt: skip
-                    tl.atomic_add(grad_value_ptr + bottom_row_2, (w_bl_2 * grad_out).to(ACCUMULATOR),
+                    tl.atomic_add(accumulator_2 + bottom_row_2, (w_bl_2 * grad_out).to(ACCUMULATOR),
                                   mask=((inside_2 & 4) != 0) & d_ok, sem="relaxed")  # fmt: skip
-                    tl.atomic_add(grad_value_ptr + bottom_row_2 + ROW, (w_br_2 * grad_out).to(ACCUMULATOR),
+                    tl.atomic_add(accumulator_2 + bottom_row_2 + ROW, (w_br_2 * grad_out).to(ACCUMULATOR),
                                   mask=((inside_2 & 8) != 0) & d_ok, sem="relaxed")  # fmt: skip
                 # Each dot summed over the row's threads, then kept by lane k.
                 mine = lane == k
@@ -472,6 +507,24 @@ def _lane_turn(
 
 
 @triton.jit
+def _turn_accumulator(
+    grad_value_ptr, replica_ptr, shifts, redirected, sample, first_level,
+    NUM_LEVELS: tl.constexpr, NUM_POINTS: tl.constexpr,
+):  # fmt: skip
+    """Where a turn of the lane placement adds its samples' corners (at the offsets of their
+    grad_value elements): grad_value, or the program's replica of their level's rows (the
+    kernel's `shifts` and `redirected`). sample: the turn's sample of each group, [1, GROUPS, 1, 1]
+    (one past the last is masked by the caller)."""
+    level = (sample // NUM_POINTS + first_level) % NUM_LEVELS
+    shift = level * 0
+    to_replica = level < 0
+    for each in tl.static_range(NUM_LEVELS):
+        shift = tl.where(level == each, shifts[each], shift)
+        to_replica = tl.where(level == each, redirected[each], to_replica)
+    return tl.where(to_replica, replica_ptr + shift, grad_value_ptr)
+
+
+@triton.jit
 def _row_dot(rows, grad_out):
     """Each row of [LANES, GROUPS, BLOCK_Q, VECTOR] `rows` (a row's channels over its LANES threads)
     dotted with grad_out, in float32: [1, GROUPS, BLOCK_Q, 1], the sum in every thread of the row."""
@@ -528,17 +581,21 @@ def msda_fold_replicas_kernel(
     ROW: tl.constexpr,  # M * D: a pixel's elements, every head
     BLOCK_ROW: tl.constexpr,  # ROW's next power of two
     BLOCK_PIXELS: tl.constexpr,
+    REPLICAS_A_PROGRAM: tl.constexpr,  # at least this many replicas a program sums (one rounding of grad_value)
+    UNROLL: tl.constexpr,  # replicas' loads issued together
     INDEX_64: tl.constexpr,
     LEVEL_STARTS: tl.constexpr,
 ):
     """grad_value += the sum of each replica of a level's rows: a program takes BLOCK_PIXELS
-    pixels of one level of one batch (the grid covers replica_rows pixels a level: no level with
-    replicas has more), for every head."""
+    pixels of one level of one batch, for every head, and a run of their replicas. The grid
+    covers replica_rows pixels a level, which no level with replicas has: a level's spare
+    programs split its replicas into runs of REPLICAS_A_PROGRAM or more (a level of a few
+    pixels can have a hundred replicas, whose loads one program would wait for one by one)."""
     pid = tl.program_id(0)
     if INDEX_64:
         pid = pid.to(tl.int64)
     num_blocks = tl.cdiv(replica_rows, BLOCK_PIXELS)
-    first_pixel = (pid % num_blocks) * BLOCK_PIXELS
+    block = pid % num_blocks
     level = (pid // num_blocks) % NUM_LEVELS
     b = pid // num_blocks // NUM_LEVELS
     # The levels before this one: the replica rows they took, and where this one starts.
@@ -556,17 +613,29 @@ def msda_fold_replicas_kernel(
     if LEVEL_STARTS:
         start = tl.load(starts_ptr + level).to(b.dtype)
     replicas, area = level_replicas(h, w, used, num_queries, replica_rows, NUM_POINTS)
+    # The level's pixel blocks, each taken by `runs` programs (at least 1 where the level has
+    # replicas: their rows, (replicas - 1) * area, fit in replica_rows), each summing a run of
+    # replicas [first, last) of them: replica 0 is grad_value itself, so a level without
+    # replicas has no runs.
+    pixel_blocks = tl.cdiv(area, BLOCK_PIXELS)
+    runs = num_blocks // pixel_blocks
+    run = block // pixel_blocks
+    run_length = tl.maximum(tl.cdiv(replicas - 1, tl.maximum(runs, 1)), REPLICAS_A_PROGRAM)
+    first = 1 + run * run_length  # (may wrap round past the last run, which is not summed)
+    last = tl.minimum(first + run_length, replicas)
     # The backward kernel added nothing on an unusable level, and nothing past its area.
-    if level_ok(h, w, start, num_values) & (replicas > 1) & (first_pixel < area):
-        pixel = first_pixel + tl.arange(0, BLOCK_PIXELS)[:, None]
+    if level_ok(h, w, start, num_values) & (run < tl.cdiv(replicas - 1, run_length)):
+        pixel = (block % pixel_blocks) * BLOCK_PIXELS + tl.arange(0, BLOCK_PIXELS)[:, None]
         element = tl.arange(0, BLOCK_ROW)[None, :]
         mask = (pixel < area) & (element < ROW)
         total = tl.zeros([BLOCK_PIXELS, BLOCK_ROW], dtype=tl.float32)
-        replica = used * 0 + 1  # a while loop: the interpreter's range takes no loaded bound
-        while replica < replicas:
-            row = b * replica_rows + used + (replica - 1) * area + pixel
-            total += tl.load(replica_ptr + row * ROW + element, mask=mask, other=0.0).to(tl.float32)
-            replica += 1
+        replica = first  # a while loop: the interpreter's range takes no loaded bound
+        while replica < last:
+            for j in tl.static_range(UNROLL):  # in replica order, as one at a time would add them
+                row = b * replica_rows + used + (replica + j - 1) * area + pixel
+                loaded = mask & (replica + j < last)
+                total += tl.load(replica_ptr + row * ROW + element, mask=loaded, other=0.0).to(tl.float32)
+            replica += UNROLL
         # An atomic add, not a store: levels may overlap (only MSDA_VALIDATE rules that out).
         tl.atomic_add(
             grad_value_ptr + (b * num_values + start + pixel) * ROW + element,
@@ -605,34 +674,24 @@ NATIVE_MIN_ELEMENTS = 2**20
 # of any size sums in its own dtype.
 NATIVE_MAX_SAMPLES_PER_ROW = 0.25
 
-# Where a (batch, head) has at most this many samples a value row, the replicas' buffer and the
-# fold are skipped (a fill and a launch, and the step loop: the lane placement and the eager
-# backward's prepared launch add only into grad_value, launch.py). In a feature pyramid whose
-# levels shrink 4x a step, the coarsest of 4 levels holds about 1/80 of the pixels: below 1 sample
-# a row its samples a pixel stay near or under SAMPLES_PER_REPLICA (RT-DETR 3.0 and DINO 13.2,
-# which at 0.25 had a buffer and a fold with nothing in them). A level of a few pixels under many
-# queries, such as DINO's fifth (7 x 11 at 800 x 1333, 47 samples a pixel at 0.81 a row), then
-# sums unreplicated. Against 0.25 (bench/NOTES.md entry 96, an H100, half precision): RT-DETR's
-# decoder backward 23% faster, DINO's 10%, with its fifth level 7.5% (grad_value's error 7.6e-4 ->
-# 8.9e-4 in float16, 5.9e-3 -> 6.8e-3 in bfloat16, against 2e-3 and 1.6e-2).
-REPLICAS_MIN_SAMPLES_PER_ROW = 1.0
-
 
 def replica_rows(
     accumulator: torch.dtype, num_queries, num_values, num_levels: int, num_points: int, *, force: bool = False
 ):
-    """Rows a batch of the replica buffer, at least 1 (None: no replicas: float32 and float64
-    accumulators add exactly enough, and a float32 encoder backward ran 902 us with them against
-    890 without, entry 33; or the samples are sparse). A level's replicas
-    take at most Q * K / SAMPLES_PER_REPLICA rows (`level_replicas`), so L times that always
-    suffices; but at most S / 2 (levels past that get fewer replicas), for memory: in half
-    precision grad_value and its replicas together should stay near a float32 grad_value's size.
-    Takes SymInts: no branch on the image size but the sparse one. force: rows whatever the
-    accumulator and the density (bench.tune's forced replicas)."""
-    samples = num_queries * num_levels * num_points
-    half = accumulator in (torch.float16, torch.bfloat16)
-    if not force and (not half or samples <= REPLICAS_MIN_SAMPLES_PER_ROW * num_values):
+    """Rows a batch of the replica buffer, at least 1, for every half-precision accumulator (None:
+    no replicas: float32 and float64 accumulators add exactly enough, and a float32 encoder
+    backward ran 902 us with them against 890 without, entry 33). Which levels take replicas is
+    the kernels' choice (`level_replicas`), from the level sizes, which live on the device: the
+    shapes alone cannot rule out a level of a few pixels under many queries at any density (the
+    GPU fuzz found 4 levels of 1 x 1 beside one of 31 x 30, 0.996 samples a value row, with
+    bfloat16's grad_value 2.2e-2 off unreplicated; bench/NOTES.md entry 97). A level's replicas
+    take at most Q * K / SAMPLES_PER_REPLICA rows, so L times that always suffices; but at most
+    S / 2 (levels past that get fewer replicas), for memory: in half precision grad_value and its
+    replicas together should stay near a float32 grad_value's size. Takes SymInts, with no branch
+    on them. force: rows whatever the accumulator (bench.tune's forced replicas)."""
+    if not force and accumulator not in (torch.float16, torch.bfloat16):
         return None
+    samples = num_queries * num_levels * num_points
     return torch.sym_max(1, torch.sym_min(samples // SAMPLES_PER_REPLICA.value, num_values // 2))
 
 

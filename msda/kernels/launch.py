@@ -563,11 +563,11 @@ def _backward_constexprs(
         TILE_PIXELS=tile_pixels,
     )
     constexprs["PREFETCH"] = bool(config.prefetch) and constexprs["UNROLL"] == 1
-    # The lane placement adds straight into grad_value, not into replicas, in fixed point, or beside
-    # the lists or the shared tile; and its rows must start on whole 16-byte vectors: where they
+    # The lane placement adds into grad_value or its replicas, not in fixed point, or beside the
+    # lists or the shared tile; and its rows must start on whole 16-byte vectors: where they
     # may not (D = 6 in float32), Triton lays the adds' vectors over two threads, and the
     # placements' shuffles with them (scripts/compile_check.py caught it).
-    plain_adds = accumulator_size in (2, 4) and not (fixed_point or replicas or count_stride or tile_pixels)
+    plain_adds = accumulator_size in (2, 4) and not (fixed_point or count_stride or tile_pixels)
     whole_vectors = D % (16 // dtype.itemsize) == 0
     constexprs.update(
         LANE_PLACEMENT=plain_adds and whole_vectors and lane_placement(config, constexprs, dtype.itemsize),
@@ -731,6 +731,12 @@ def shared_tile_call(
 
 
 FOLD_TILE_ELEMENTS = 2048  # a fold program's pixels times their M * D elements (rounded up to a power of 2)
+# A fold program sums at least this many replicas of its pixels (more where the level's programs
+# are too few), in float32, before its one add into grad_value: a level of at most this many
+# replicas is rounded into grad_value once, as the encoder preset's coarsest (14) is. UNROLL of
+# their loads are in flight at once (bench/NOTES.md entry 97).
+FOLD_REPLICAS_A_PROGRAM = 16
+FOLD_UNROLL = 4
 
 
 def fold_call(
@@ -754,6 +760,8 @@ def fold_call(
         ROW=int(M) * int(D),
         BLOCK_ROW=block_row,
         BLOCK_PIXELS=block_pixels,
+        REPLICAS_A_PROGRAM=FOLD_REPLICAS_A_PROGRAM,
+        UNROLL=FOLD_UNROLL,
         INDEX_64=needs_int64(grad_value, replicas),
         LEVEL_STARTS=level_start_index is not None,
         num_warps=4,
