@@ -119,19 +119,21 @@ DENSE = Shape(batch=2, queries=60, heads=2, head_dim=6, levels=((6, 5), (3, 3), 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("given_starts", [True, False], ids=["starts", "summed"])
-@pytest.mark.parametrize("variant", ["steps", "fold-runs", "lane"])
+@pytest.mark.parametrize("variant", ["steps", "fold-runs", "fold-one-run", "lane"])
 def test_replicas_of_dense_levels(monkeypatch, dtype, given_starts, variant):
     """The backward kernel spreads a dense level's adds over replicas of its rows and the fold
     kernel adds them back: the gradients of the plain kernel, whatever room the replica buffer
     leaves (1 row: none fit; 3: two copies of the 2-pixel level; the rule's rows: all three),
     with level_start_index and with the level sizes summed in the kernels. "fold-runs": fold
     programs of one pixel, each summing one replica, three loads a step (most of them masked),
-    as a level of a few pixels and many replicas is folded. "lane": the lane placement's turns
+    as a level of a few pixels and many replicas is folded; "fold-one-run": as many programs,
+    runs of 2**30 replicas (the spare programs' first replica overflows 32 bits: they must sum
+    nothing; a fold A/B once read outside the buffer so). "lane": the lane placement's turns
     adding into replicas (D = 16, two turns a step), each group's sample on a level of its own."""
     shape = DENSE
-    if variant == "fold-runs":
+    if variant.startswith("fold"):
         monkeypatch.setattr(launch, "FOLD_TILE_ELEMENTS", 16)  # M * D = 12: one pixel a program
-        monkeypatch.setattr(launch, "FOLD_REPLICAS_A_PROGRAM", 1)
+        monkeypatch.setattr(launch, "FOLD_REPLICAS_A_PROGRAM", 1 if variant == "fold-runs" else 2**30)
         monkeypatch.setattr(launch, "FOLD_UNROLL", 3)
     if variant == "lane":
         shape = dataclasses.replace(DENSE, head_dim=16)
