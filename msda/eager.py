@@ -132,11 +132,13 @@ def _launch(launcher, grid, args, constexprs, device) -> None:
     _call_on_device(device, launcher, grid, args, constexprs, device)
 
 
-# The launches as `DirectLauncher.prepare` resolved them, by `launch.forward_signature` and
-# `launch.backward_signature` (None: that call's launch could not be prepared). With one, an eager
+# The launches as `DirectLauncher.prepare` resolved them, by `launch.forward_signature`,
+# `launch.backward_signature` and `launch.fold_signature` (None: that call's launch could not be
+# prepared). With one, an eager
 # call skips the argument builder and the launcher's key (bench/NOTES.md entries 73 and 75).
 _forward_launches: dict[tuple, object] = {}
 _backward_launches: dict[tuple, object] = {}
+_fold_launches: dict[tuple, object] = {}
 _MAX_PREPARED = 256
 
 
@@ -221,17 +223,18 @@ def launch_backward(
         )  # fmt: skip
         # Each launch first waits for the compile the forward began (launch.compile_backward_ahead), if any.
         ahead.wait(msda_backward_kernel)
-        # A plain call (grad_value zeros that this kernel alone adds into) may take a prepared launch.
-        plain = grad_value is not None and fixed_point_scale is None and replicas is None
-        plain = plain and not (softmax or shared_tile)
+        # A plain call (grad_value zeros, and replicas where it has them, that this kernel alone
+        # adds into) may take a prepared launch, and so may its fold.
+        plain = grad_value is not None and fixed_point_scale is None and not (softmax or shared_tile)
         key = None
         if plain:
             key = launch.backward_signature(
-                grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_value
-            )
+                grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                grad_value, replicas,
+            )  # fmt: skip
             tensors = launch.backward_tensors(
                 grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                grad_value, grad_loc, grad_attn,
+                grad_value, grad_loc, grad_attn, replicas=replicas,
             )  # fmt: skip
         if not (plain and _launch_prepared(_backward_launches, key, tensors, value.device)):
             grid, args, constexprs = launch.backward_call(
@@ -243,9 +246,7 @@ def launch_backward(
             if plain:
                 _keep_prepared(_backward_launches, key, _backward_kernel, grid, args, constexprs, value.device)
         if replicas is not None:
-            grid, args, constexprs = launch.fold_call(grad_value, replicas, spatial_shapes, level_start_index, Q, K)
-            ahead.wait(msda_fold_replicas_kernel)
-            _launch(_fold_kernel, grid, args, constexprs, value.device)
+            _launch_fold(grad_value, replicas, spatial_shapes, level_start_index, Q, K, value.device)
         if shared_tile:
             grid, args, constexprs = launch.shared_tile_call(
                 grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
@@ -262,6 +263,19 @@ def launch_backward(
         )  # fmt: skip
         return grad_value, grad_loc, grad_attn
     return finish_grad_value(grad_value, fixed_point_scale, value.dtype), grad_loc, grad_attn
+
+
+def _launch_fold(grad_value, replicas, spatial_shapes, level_start_index, num_queries, num_points, device) -> None:
+    """The replicas' fold after the backward kernel, prepared where a call of its key ran before."""
+    key = launch.fold_signature(grad_value, replicas, spatial_shapes, level_start_index, num_queries, num_points)
+    tensors = launch.fold_tensors(grad_value, replicas, spatial_shapes, level_start_index)
+    if not _launch_prepared(_fold_launches, key, tensors, device):
+        grid, args, constexprs = launch.fold_call(
+            grad_value, replicas, spatial_shapes, level_start_index, num_queries, num_points
+        )
+        ahead.wait(msda_fold_replicas_kernel)
+        _launch(_fold_kernel, grid, args, constexprs, device)
+        _keep_prepared(_fold_launches, key, _fold_kernel, grid, args, constexprs, device)
 
 
 def _starts(spatial_shapes: Tensor, level_start_index: Tensor | None) -> Tensor:

@@ -214,13 +214,23 @@ def test_forward_signature_covers_what_forward_call_reads(monkeypatch):
 
 
 def _backward_variants():
-    """Plain backward calls (grad_value zeros, no replicas) that differ in one thing backward_call
-    reads, or in nothing it reads: the forward's variants, with grad_outputs of other strides
-    (channels contiguous) and of another dtype, and accumulators of another dtype."""
+    """Plain backward calls (grad_value zeros, with the replicas `grad_value_buffer` gives) that
+    differ in one thing backward_call reads, or in nothing it reads: the forward's variants, with
+    grad_outputs of other strides (channels contiguous) and of another dtype, accumulators of
+    another dtype, and replicas of other rows or none."""
     from msda.kernels.backward import grad_value_buffer
 
+    from msda.testing import Shape, make_inputs
+
+    # Sparse float16 calls: their accumulator is float16, with replicas (the forward's variants
+    # are dense: a small float16 grad_value sums them in float32, a bfloat16 one on the CPU too).
+    sparse = [
+        (*make_inputs(Shape(batch=2, queries=queries, heads=2, head_dim=8, levels=levels, points=1),
+                      torch.float16, seed=0).args(), False)
+        for queries in (1, 2) for levels in (((3, 4), (2, 2)), ((4, 4), (2, 2)))
+    ]  # fmt: skip
     variants = []
-    for value, shapes, starts, loc, attn, softmax in _forward_variants():
+    for value, shapes, starts, loc, attn, softmax in _forward_variants() + sparse:
         if softmax:
             continue
         B, Q, M, D = value.shape[0], loc.shape[1], value.shape[2], value.shape[3]
@@ -229,11 +239,15 @@ def _backward_variants():
         grads.append(grad.float() if value.dtype != torch.float32 else grad.double())
         for grad_output in grads:
             grad_value, scale, replicas = grad_value_buffer(value, grad_output, attn, Q, loc.shape[3], loc.shape[4])
-            if scale is None and replicas is None:
-                variants.append((grad_output, value, shapes, starts, loc, attn, grad_value))
-                if value.element_size() == 2:  # the other accumulator: value's dtype, or float32
-                    other = grad_value.float() if grad_value.dtype == value.dtype else grad_value.to(value.dtype)
-                    variants.append((grad_output, value, shapes, starts, loc, attn, other))
+            assert scale is None
+            variants.append((grad_output, value, shapes, starts, loc, attn, grad_value, replicas))
+            if value.element_size() == 2:  # the other accumulator: value's dtype, or float32
+                other = grad_value.float() if grad_value.dtype == value.dtype else grad_value.to(value.dtype)
+                variants.append((grad_output, value, shapes, starts, loc, attn, other, None))
+            if replicas is not None:  # none, and one row more
+                variants.append((grad_output, value, shapes, starts, loc, attn, grad_value, None))
+                more = replicas.new_zeros((B, replicas.shape[1] + 1, M, D))
+                variants.append((grad_output, value, shapes, starts, loc, attn, grad_value, more))
     return variants
 
 
@@ -249,18 +263,42 @@ def test_backward_signature_covers_what_backward_call_reads(monkeypatch):
         launches = {}
         for rule in _two_rules(launch.backward_config):
             monkeypatch.setattr(launch, "backward_config", rule)
-            for grad_output, value, shapes, starts, loc, attn, grad_value in variants:
+            for grad_output, value, shapes, starts, loc, attn, grad_value, replicas in variants:
                 grad_loc, grad_attn = torch.empty_like(loc), torch.empty_like(attn)
                 grid, args, constexprs = launch.backward_call(
-                    grad_output, value, shapes, starts, loc, attn, grad_value, grad_loc, grad_attn
+                    grad_output, value, shapes, starts, loc, attn, grad_value, grad_loc, grad_attn, replicas=replicas
                 )
                 tensors = launch.backward_tensors(
-                    grad_output, value, shapes, starts, loc, attn, grad_value, grad_loc, grad_attn
+                    grad_output, value, shapes, starts, loc, attn, grad_value, grad_loc, grad_attn, replicas=replicas
                 )
                 assert all(a is b for a, b in zip([a for a in args if type(a) is not int], tensors, strict=True))
                 resolved = (grid, tuple(a if type(a) is int else a.dtype for a in args), constexprs)
-                key = launch.backward_signature(grad_output, value, shapes, starts, loc, attn, grad_value)
+                key = launch.backward_signature(grad_output, value, shapes, starts, loc, attn, grad_value, replicas)
                 assert launches.setdefault(key, resolved) == resolved, key
         assert len(launches) > 100, len(launches)
+        assert {resolved[2]["REPLICAS"] for resolved in launches.values()} == {False, True}
         evicted = {resolved[2]["VALUE_EVICTION"] for resolved in launches.values()}
         assert evicted == ({"", "evict_first"} if hopper else {""})
+
+
+def test_fold_signature_covers_what_fold_call_reads(monkeypatch):
+    """Folds with equal `launch.fold_signature` get the same grid, integers, tensor dtypes and
+    constexprs from `launch.fold_call`, whose tensor arguments are `launch.fold_tensors`'; the
+    fold's settings (bench.tune and the sweeps change them) are part of the key."""
+    from msda.kernels import launch
+
+    launches = {}
+    for setting, values in (("FOLD_REPLICAS_A_PROGRAM", (16, 4)), ("FOLD_UNROLL", (4, 1))):
+        for setting_value in values:
+            monkeypatch.setattr(launch, setting, setting_value)
+            for grad_output, value, shapes, starts, loc, attn, grad_value, replicas in _backward_variants():
+                if replicas is None:
+                    continue
+                Q, K = loc.shape[1], loc.shape[4]
+                grid, args, constexprs = launch.fold_call(grad_value, replicas, shapes, starts, Q, K)
+                tensors = launch.fold_tensors(grad_value, replicas, shapes, starts)
+                assert all(a is b for a, b in zip([a for a in args if type(a) is not int], tensors, strict=True))
+                resolved = (grid, tuple(a if type(a) is int else a.dtype for a in args), constexprs)
+                key = launch.fold_signature(grad_value, replicas, shapes, starts, Q, K)
+                assert launches.setdefault(key, resolved) == resolved, key
+    assert len(launches) > 20, len(launches)

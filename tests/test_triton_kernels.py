@@ -82,6 +82,25 @@ def test_replicas_and_float32_sums_by_samples_a_row():
     assert backward_kernel.grad_value_accumulator_dtype(value, 125, 1, 4) == torch.float32  # 0.5 a row
 
 
+def test_few_replica_rows_share_grad_value_fill(monkeypatch):
+    """`grad_value_buffer`: replica rows of at most 1/16 of grad_value's share its allocation and
+    fill, from a 16-byte boundary (606 elements of grad_value here, the replicas at 608), both
+    zeros; more take an allocation of their own (native float16 sums at any size here)."""
+    monkeypatch.setattr(backward_kernel, "NATIVE_MIN_ELEMENTS", 0)
+    grad_output = torch.ones(1, 1, 6, dtype=torch.float16)
+    for queries, rows, shared in ((24, 1, True), (2400, 50, False)):  # S = 101: at most 50 rows
+        value = torch.full((1, 101, 1, 6), float("nan"), dtype=torch.float16)
+        grad_value, scale, replicas = backward_kernel.grad_value_buffer(value, grad_output, None, queries, 1, 1)
+        assert scale is None and grad_value.shape == value.shape and grad_value.is_contiguous()
+        assert replicas.shape == (1, rows, 1, 6) and replicas.is_contiguous()
+        assert not grad_value.any() and not replicas.any()
+        same = grad_value.untyped_storage().data_ptr() == replicas.untyped_storage().data_ptr()
+        assert same == shared
+        assert replicas.data_ptr() % 16 == 0
+        if shared:
+            assert replicas.data_ptr() - grad_value.data_ptr() == 608 * 2
+
+
 # Levels of one pixel beside a large one, at just under one sample a value row: each 1 x 1
 # pixel takes 800 samples a (batch, head), which only replicas keep within the bound in half
 # precision (the GPU fuzz's counterexample, bench/NOTES.md entry 97: grad_value 2.2e-2 off in

@@ -516,18 +516,18 @@ def backward_tensors(
 
 def backward_signature(
     grad_output: Tensor, value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor | None,
-    sampling_locations: Tensor, attention_weights: Tensor, grad_value: Tensor,
+    sampling_locations: Tensor, attention_weights: Tensor, grad_value: Tensor, replicas: Tensor | None = None,
 ) -> tuple:  # fmt: skip
-    """What `backward_call` reads of a plain call (grad_value the zeros it adds into: no softmax,
-    fixed point, replicas, lists or shared tile) on contiguous tensors and a grad_output with
-    contiguous channels, as a key: two such calls with equal keys get the same grid, integers,
-    tensor dtypes and constexprs, as `forward_signature` for the forward. Keep it in step with
-    backward_call; tests/test_direct_launch.py checks it."""
+    """What `backward_call` reads of a plain call (grad_value the zeros it adds into, with or
+    without replicas: no softmax, fixed point, lists or shared tile) on contiguous tensors and a
+    grad_output with contiguous channels, as a key: two such calls with equal keys get the same
+    grid, integers, tensor dtypes and constexprs, as `forward_signature` for the forward. Keep it
+    in step with backward_call; tests/test_direct_launch.py checks it."""
     return (
         grad_output.stride(), grad_output.dtype, value.shape, value.dtype, value.device,
         spatial_shapes.dtype, None if level_start_index is None else level_start_index.dtype,
         sampling_locations.shape, sampling_locations.dtype, attention_weights.dtype, grad_value.dtype,
-        backward_config,
+        None if replicas is None else (replicas.shape, replicas.dtype), backward_config,
     )  # fmt: skip
 
 
@@ -767,16 +767,29 @@ def fold_call(
         num_warps=4,
     )
     grid = (B * L * _cdiv(rows, block_pixels),)
-    args = (
-        grad_value,
-        replicas,
-        spatial_shapes,
-        spatial_shapes if level_start_index is None else level_start_index,  # unread if None
-        num_queries,
-        S,
-        rows,
-    )
+    # level_start_index None: spatial_shapes in its place, unread
+    args = (*fold_tensors(grad_value, replicas, spatial_shapes, level_start_index), num_queries, S, rows)
     return grid, args, constexprs
+
+
+def fold_tensors(
+    grad_value: Tensor, replicas: Tensor, spatial_shapes: Tensor, level_start_index: Tensor | None
+) -> tuple:
+    """msda_fold_replicas_kernel's tensor arguments, in order (the integers follow)."""
+    return grad_value, replicas, spatial_shapes, spatial_shapes if level_start_index is None else level_start_index
+
+
+def fold_signature(
+    grad_value: Tensor, replicas: Tensor, spatial_shapes: Tensor, level_start_index: Tensor | None,
+    num_queries: int, num_points: int,
+) -> tuple:  # fmt: skip
+    """What `fold_call` reads, as a key: two calls with equal keys get the same grid, integers,
+    tensor dtypes and constexprs (tests/test_direct_launch.py checks it)."""
+    return (
+        grad_value.shape, grad_value.dtype, grad_value.device, replicas.shape, replicas.dtype,
+        spatial_shapes.shape, spatial_shapes.dtype, None if level_start_index is None else level_start_index.dtype,
+        num_queries, num_points, FOLD_TILE_ELEMENTS, FOLD_REPLICAS_A_PROGRAM, FOLD_UNROLL,
+    )  # fmt: skip
 
 
 LIST_QUERIES = 16  # queries a program of the sample lists' kernel

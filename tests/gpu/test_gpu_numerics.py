@@ -239,10 +239,11 @@ def test_eager_forwards_reuse_a_prepared_launch(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=lambda d: str(d).removeprefix("torch."))
 def test_eager_backwards_reuse_a_prepared_launch(dtype):
     """A second eager backward of a plain call's shapes, dtypes and strides (the decoder's:
-    grad_value zeros that the kernel alone adds into) takes the launch the first one prepared
-    (msda/eager.py: no argument builder), on its own tensors, within the oracle's bound. A
-    grad_output 8 bytes past an allocation has the same key but not the 16-byte alignment the
-    kernel was compiled for: that call goes the long way (Triton's JIT), as accurate."""
+    grad_value zeros, and in float16 their replicas, that the kernel alone adds into) takes the
+    launches the first one prepared, the fold's too (msda/eager.py: no argument builder), on its
+    own tensors, within the oracle's bound. A grad_output 8 bytes past an allocation has the same
+    key but not the 16-byte alignment the kernel was compiled for: that call goes the long way
+    (Triton's JIT), as accurate."""
     first, second = (make_inputs(PRESETS["decoder"], dtype, "cuda", seed=seed) for seed in (17, 18))
     forward_backward(first, random_like_output(first))
     grad_output = random_like_output(second, seed=2)
@@ -250,9 +251,14 @@ def test_eager_backwards_reuse_a_prepared_launch(dtype):
     shifted = torch.empty(grad_output.numel() + shift, dtype=dtype, device="cuda")
     shifted = shifted[shift:].view(grad_output.shape).copy_(grad_output)
     assert shifted.data_ptr() % 16 == 8
-    with mock.patch.object(launch, "backward_call", wraps=launch.backward_call) as builder:
+    with (
+        mock.patch.object(launch, "backward_call", wraps=launch.backward_call) as builder,
+        mock.patch.object(launch, "fold_call", wraps=launch.fold_call) as fold_builder,
+        mock.patch.object(launch, "fold_tensors", wraps=launch.fold_tensors) as folds,
+    ):
         prepared = forward_backward(second, grad_output)
-        assert builder.call_count == 0
+        assert builder.call_count == 0 and fold_builder.call_count == 0
+        assert folds.call_count == (1 if dtype == torch.float16 else 0)  # the replicas' fold, prepared
         long_way = forward_backward(second, shifted)
         assert builder.call_count == 1
     assert_matches_reference(second, prepared, grad_output)
