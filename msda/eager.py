@@ -203,7 +203,7 @@ def launch_backward(
         grad_output = grad_output.contiguous()
     B, S, M, D = value.shape
     _, Q, _, L, K, _ = sampling_locations.shape
-    grad_value, fixed_point_scale, replicas = grad_value_buffer(
+    grad_value, fixed_point_scale, replicas, fold_counts = grad_value_buffer(
         value, grad_output, None if softmax else attention_weights, Q, L, K, lists=not softmax
     )
     grad_loc = launch.new_empty_written_whole(sampling_locations)
@@ -230,22 +230,23 @@ def launch_backward(
         if plain:
             key = launch.backward_signature(
                 grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                grad_value, replicas,
+                grad_value, replicas, fold_counts,
             )  # fmt: skip
             tensors = launch.backward_tensors(
                 grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                grad_value, grad_loc, grad_attn, replicas=replicas,
+                grad_value, grad_loc, grad_attn, replicas=replicas, fold_counts=fold_counts,
             )  # fmt: skip
         if not (plain and _launch_prepared(_backward_launches, key, tensors, value.device)):
             grid, args, constexprs = launch.backward_call(
                 grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
                 grad_value, grad_loc, grad_attn, softmax=softmax, scratch=scratch,
-                fixed_point_scale=fixed_point_scale, replicas=replicas, lists=lists, shared_tile=shared_tile,
+                fixed_point_scale=fixed_point_scale, replicas=replicas, fold_counts=fold_counts, lists=lists,
+                shared_tile=shared_tile,
             )  # fmt: skip
             _launch(_backward_kernel, grid, args, constexprs, value.device)
             if plain:
                 _keep_prepared(_backward_launches, key, _backward_kernel, grid, args, constexprs, value.device)
-        if replicas is not None:
+        if replicas is not None and fold_counts is None:  # else the backward kernel folded them
             _launch_fold(grad_value, replicas, spatial_shapes, level_start_index, Q, K, value.device)
         if shared_tile:
             grid, args, constexprs = launch.shared_tile_call(

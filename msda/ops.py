@@ -158,7 +158,7 @@ def _launch_backward(
     # Softmax weights are at most 1: the fixed-point bound needs no max over the logits.
     # The deterministic mode sums grad_value from lists of samples (kernels/deterministic.py), except
     # in the fused-softmax kernels (their weights exist only inside the kernel): 64-bit atomics.
-    grad_value, fixed_point_scale, replicas = grad_value_buffer(
+    grad_value, fixed_point_scale, replicas, fold_counts = grad_value_buffer(
         value, grad_output, None if softmax else attention_weights, Q, L, K, lists=not softmax
     )
     # Every element of these two is written by exactly one program: no zeroing needed.
@@ -196,6 +196,7 @@ def _launch_backward(
             scratch=scratch,
             fixed_point_scale=fixed_point_scale,
             replicas=replicas,
+            fold_counts=fold_counts,
             lists=lists,
             shared_tile=shared_tile,
         )
@@ -204,7 +205,7 @@ def _launch_backward(
             ahead.wait(msda_backward_kernel)
             kernel, kwargs = launch.traceable(msda_backward_kernel, constexprs)
             wrap_triton(kernel)[grid](*args, **kwargs)
-            if replicas is not None:
+            if replicas is not None and fold_counts is None:  # else the backward kernel folded them
                 grid, args, constexprs = launch.fold_call(grad_value, replicas, spatial_shapes, level_start_index, Q, K)
                 ahead.wait(msda_fold_replicas_kernel)
                 wrap_triton(msda_fold_replicas_kernel)[grid](*args, **constexprs)

@@ -101,7 +101,9 @@ def outputs(kernel, constexprs: dict, softmax: bool) -> list[str]:
     if constexprs.get("GRAD_VALUE") is False:  # the deterministic mode's lists sum grad_value
         written.remove("grad_value_ptr")
     if constexprs.get("COUNT_STRIDE"):  # and the backward counts their samples, leaving their ranks
-        written += ["list_counts_ptr", "list_ranks_ptr"]
+        written += ["counts_ptr", "list_ranks_ptr"]
+    if constexprs.get("FOLD_PIXELS"):  # the programs of each (batch, head) count themselves done
+        written += ["counts_ptr"]
     return sorted(written)
 
 
@@ -160,6 +162,10 @@ def kernel_calls(
                 softmax=softmax, scratch=scratch, replicas=replicas,
             )[1:]),
             (msda_fold_replicas_kernel, *launch.fold_call(grad_value, replicas, shapes, starts, Q, points)[1:]),
+            (msda_backward_kernel, *launch.backward_call(  # the replicas folded in the kernel
+                out, value, shapes, starts, loc, attn, grad_value, torch.zeros_like(loc), torch.zeros_like(attn),
+                softmax=softmax, scratch=scratch, replicas=replicas, fold_counts=torch.zeros(B, M, dtype=torch.int32),
+            )[1:]),
         ]  # fmt: skip
         if fixed_point and dtype != "float64":
             calls.append((msda_backward_kernel, *launch.backward_call(

@@ -238,16 +238,21 @@ def _backward_variants():
         grads = [grad, grad.transpose(0, 1).contiguous().transpose(0, 1), grad[:1].expand(B, Q, M * D)]
         grads.append(grad.float() if value.dtype != torch.float32 else grad.double())
         for grad_output in grads:
-            grad_value, scale, replicas = grad_value_buffer(value, grad_output, attn, Q, loc.shape[3], loc.shape[4])
+            grad_value, scale, replicas, counts = grad_value_buffer(
+                value, grad_output, attn, Q, loc.shape[3], loc.shape[4]
+            )
             assert scale is None
-            variants.append((grad_output, value, shapes, starts, loc, attn, grad_value, replicas))
+            call = (grad_output, value, shapes, starts, loc, attn)
+            variants.append((*call, grad_value, replicas, counts))
             if value.element_size() == 2:  # the other accumulator: value's dtype, or float32
                 other = grad_value.float() if grad_value.dtype == value.dtype else grad_value.to(value.dtype)
-                variants.append((grad_output, value, shapes, starts, loc, attn, other, None))
-            if replicas is not None:  # none, and one row more
-                variants.append((grad_output, value, shapes, starts, loc, attn, grad_value, None))
+                variants.append((*call, other, None, None))
+            if replicas is not None:  # none, one row more, and folded by the fold kernel or by this one
+                variants.append((*call, grad_value, None, None))
                 more = replicas.new_zeros((B, replicas.shape[1] + 1, M, D))
-                variants.append((grad_output, value, shapes, starts, loc, attn, grad_value, more))
+                variants.append((*call, grad_value, more, counts))
+                flipped = None if counts is not None else torch.zeros(B, M, dtype=torch.int32)
+                variants.append((*call, grad_value, replicas, flipped))
     return variants
 
 
@@ -263,20 +268,21 @@ def test_backward_signature_covers_what_backward_call_reads(monkeypatch):
         launches = {}
         for rule in _two_rules(launch.backward_config):
             monkeypatch.setattr(launch, "backward_config", rule)
-            for grad_output, value, shapes, starts, loc, attn, grad_value, replicas in variants:
-                grad_loc, grad_attn = torch.empty_like(loc), torch.empty_like(attn)
+            for *call, grad_value, replicas, counts in variants:
+                grad_loc, grad_attn = torch.empty_like(call[4]), torch.empty_like(call[5])
                 grid, args, constexprs = launch.backward_call(
-                    grad_output, value, shapes, starts, loc, attn, grad_value, grad_loc, grad_attn, replicas=replicas
+                    *call, grad_value, grad_loc, grad_attn, replicas=replicas, fold_counts=counts
                 )
                 tensors = launch.backward_tensors(
-                    grad_output, value, shapes, starts, loc, attn, grad_value, grad_loc, grad_attn, replicas=replicas
+                    *call, grad_value, grad_loc, grad_attn, replicas=replicas, fold_counts=counts
                 )
                 assert all(a is b for a, b in zip([a for a in args if type(a) is not int], tensors, strict=True))
                 resolved = (grid, tuple(a if type(a) is int else a.dtype for a in args), constexprs)
-                key = launch.backward_signature(grad_output, value, shapes, starts, loc, attn, grad_value, replicas)
+                key = launch.backward_signature(*call, grad_value, replicas, counts)
                 assert launches.setdefault(key, resolved) == resolved, key
         assert len(launches) > 100, len(launches)
         assert {resolved[2]["REPLICAS"] for resolved in launches.values()} == {False, True}
+        assert {resolved[2]["FOLD_PIXELS"] > 0 for resolved in launches.values()} == {False, True}
         evicted = {resolved[2]["VALUE_EVICTION"] for resolved in launches.values()}
         assert evicted == ({"", "evict_first"} if hopper else {""})
 
@@ -291,7 +297,7 @@ def test_fold_signature_covers_what_fold_call_reads(monkeypatch):
     for setting, values in (("FOLD_REPLICAS_A_PROGRAM", (16, 4)), ("FOLD_UNROLL", (4, 1))):
         for setting_value in values:
             monkeypatch.setattr(launch, setting, setting_value)
-            for grad_output, value, shapes, starts, loc, attn, grad_value, replicas in _backward_variants():
+            for grad_output, value, shapes, starts, loc, attn, grad_value, replicas, _ in _backward_variants():
                 if replicas is None:
                     continue
                 Q, K = loc.shape[1], loc.shape[4]

@@ -84,21 +84,35 @@ def test_replicas_and_float32_sums_by_samples_a_row():
 
 def test_few_replica_rows_share_grad_value_fill(monkeypatch):
     """`grad_value_buffer`: replica rows of at most 1/16 of grad_value's share its allocation and
-    fill, from a 16-byte boundary (606 elements of grad_value here, the replicas at 608), both
-    zeros; more take an allocation of their own (native float16 sums at any size here)."""
+    fill with the kernel's fold counts, each from a 16-byte boundary (606 elements of grad_value
+    here, the replicas at 608, the counts at 616), all zeros; more take allocations of their own
+    (native float16 sums at any size here)."""
     monkeypatch.setattr(backward_kernel, "NATIVE_MIN_ELEMENTS", 0)
     grad_output = torch.ones(1, 1, 6, dtype=torch.float16)
     for queries, rows, shared in ((24, 1, True), (2400, 50, False)):  # S = 101: at most 50 rows
         value = torch.full((1, 101, 1, 6), float("nan"), dtype=torch.float16)
-        grad_value, scale, replicas = backward_kernel.grad_value_buffer(value, grad_output, None, queries, 1, 1)
+        grad_value, scale, replicas, counts = backward_kernel.grad_value_buffer(
+            value, grad_output, None, queries, 1, 1
+        )
         assert scale is None and grad_value.shape == value.shape and grad_value.is_contiguous()
         assert replicas.shape == (1, rows, 1, 6) and replicas.is_contiguous()
-        assert not grad_value.any() and not replicas.any()
-        same = grad_value.untyped_storage().data_ptr() == replicas.untyped_storage().data_ptr()
-        assert same == shared
-        assert replicas.data_ptr() % 16 == 0
+        assert counts.shape == (1, 1) and counts.dtype == torch.int32  # few rows: folded in the kernel
+        assert not grad_value.any() and not replicas.any() and not counts.any()
+        storages = {t.untyped_storage().data_ptr() for t in (grad_value, replicas, counts)}
+        assert len(storages) == (1 if shared else 3)
+        assert replicas.data_ptr() % 16 == 0 and counts.data_ptr() % 16 == 0
         if shared:
             assert replicas.data_ptr() - grad_value.data_ptr() == 608 * 2
+            assert counts.data_ptr() - grad_value.data_ptr() == 616 * 2
+
+
+def test_replicas_folded_in_the_kernel_where_few():
+    """`folds_in_kernel`: a head's replica rows of at most 2**13 elements, so the decoder
+    preset's (200 rows of 32 channels), not DINO's 900 queries' (600) nor the encoder's."""
+    S, L, K = sum(h * w for h, w in DETR_LEVELS), len(DETR_LEVELS), 4
+    for queries, expected in ((300, True), (900, False), (S, False)):
+        rows = backward_kernel.replica_rows(torch.float16, queries, S, L, K)
+        assert backward_kernel.folds_in_kernel(rows, 32) is expected, queries
 
 
 # Levels of one pixel beside a large one, at just under one sample a value row: each 1 x 1
@@ -138,7 +152,7 @@ DENSE = Shape(batch=2, queries=60, heads=2, head_dim=6, levels=((6, 5), (3, 3), 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("given_starts", [True, False], ids=["starts", "summed"])
-@pytest.mark.parametrize("variant", ["steps", "fold-runs", "fold-one-run", "lane"])
+@pytest.mark.parametrize("variant", ["steps", "fold-runs", "fold-one-run", "lane", "in-kernel", "lane-in-kernel"])
 def test_replicas_of_dense_levels(monkeypatch, dtype, given_starts, variant):
     """The backward kernel spreads a dense level's adds over replicas of its rows and the fold
     kernel adds them back: the gradients of the plain kernel, whatever room the replica buffer
@@ -148,13 +162,20 @@ def test_replicas_of_dense_levels(monkeypatch, dtype, given_starts, variant):
     as a level of a few pixels and many replicas is folded; "fold-one-run": as many programs,
     runs of 2**30 replicas (the spare programs' first replica overflows 32 bits: they must sum
     nothing; a fold A/B once read outside the buffer so). "lane": the lane placement's turns
-    adding into replicas (D = 16, two turns a step), each group's sample on a level of its own."""
+    adding into replicas (D = 16, two turns a step), each group's sample on a level of its own.
+    "in-kernel": the backward kernel folds (the last program of each (batch, head), which alone
+    counts itself done with that count, and only where a level took replicas), a pixel a step
+    and three loads, most of them masked."""
     shape = DENSE
+    in_kernel = variant.endswith("in-kernel")
     if variant.startswith("fold"):
         monkeypatch.setattr(launch, "FOLD_TILE_ELEMENTS", 16)  # M * D = 12: one pixel a program
         monkeypatch.setattr(launch, "FOLD_REPLICAS_A_PROGRAM", 1 if variant == "fold-runs" else 2**30)
         monkeypatch.setattr(launch, "FOLD_UNROLL", 3)
-    if variant == "lane":
+    if in_kernel:
+        monkeypatch.setattr(launch, "FOLD_STEP_ELEMENTS", 0)  # the least: one pixel a step
+        monkeypatch.setattr(launch, "FOLD_UNROLL", 3)
+    if variant.startswith("lane"):
         shape = dataclasses.replace(DENSE, head_dim=16)
         tile = launch.TileConfig(16, 4, 0, prefetch=True, lane_placement=True, lane_unroll=2)
         monkeypatch.setattr(launch, "backward_config", lambda *args, **kwargs: tile)
@@ -172,15 +193,21 @@ def test_replicas_of_dense_levels(monkeypatch, dtype, given_starts, variant):
         grad_value = torch.zeros(value.shape, dtype=accumulator, device=DEVICE)
         grad_loc, grad_attn = torch.empty_like(loc), torch.empty_like(attn)
         replicas = None if rows is None else torch.zeros(B, rows, M, D, dtype=accumulator, device=DEVICE)
+        counts = torch.zeros(B, M, dtype=torch.int32, device=DEVICE) if in_kernel and rows else None
         grid, args, constexprs = launch.backward_call(
-            grad_output, value, shapes, starts, loc, attn, grad_value, grad_loc, grad_attn, replicas=replicas
-        )
-        assert constexprs["LANE_PLACEMENT"] == (variant == "lane")
+            grad_output, value, shapes, starts, loc, attn, grad_value, grad_loc, grad_attn, replicas=replicas,
+            fold_counts=counts,
+        )  # fmt: skip
+        assert constexprs["LANE_PLACEMENT"] == variant.startswith("lane")
+        assert constexprs["FOLD_PIXELS"] == (1 if counts is not None else 0)
         backward_kernel.msda_backward_kernel[grid](*args, **constexprs)
         if replicas is not None:
             # Rows of replicas written: the 1 x 2 level's copies, as many as fit.
             written = int((replicas != 0).any(dim=3).any(dim=2).sum(dim=1).max())
             assert written == {1: 0, 3: 2, rule_rows: 4}[rows], (rows, written)
+        if counts is not None:  # every program of each (batch, head) counted, where any level has replicas
+            assert counts.eq(0 if rows == 1 else grid[0] // (B * M)).all(), counts
+        elif replicas is not None:
             grid, args, constexprs = launch.fold_call(grad_value, replicas, shapes, starts, Q, K)
             backward_kernel.msda_fold_replicas_kernel[grid](*args, **constexprs)
         results[rows] = (grad_value.to(dtype), grad_loc, grad_attn)

@@ -29,7 +29,7 @@ def msda_backward_kernel(
     grad_loc_ptr,  # like loc
     grad_attn_ptr,  # like attn
     scratch_ptr,  # with SOFTMAX: (B, Q, M, L, K) in COMPUTE, may be grad_attn itself; else unused
-    list_counts_ptr,  # with COUNT_STRIDE: the deterministic mode's int32 list counters (zeros); else unused
+    counts_ptr,  # int32 zeros: COUNT_STRIDE: the deterministic lists' counters; FOLD_PIXELS: (B, M); else unused
     list_ranks_ptr,  # with COUNT_STRIDE: the lists' weights' array (float): each sample's rank goes there; else unused
     num_queries,
     num_values,
@@ -58,6 +58,8 @@ def msda_backward_kernel(
     LANE_PLACEMENT: tl.constexpr,  # each sample placed by one thread of its row (launch.backward_lane_placement)
     SHUFFLE: tl.constexpr,  # with LANE_PLACEMENT: pass placements by warp shuffles (CUDA), see sampling.from_lane
     LANE_UNROLL: tl.constexpr,  # with LANE_PLACEMENT: turns a loop step (1 or 2)
+    FOLD_PIXELS: tl.constexpr,  # > 0 (with REPLICAS): the replicas folded here, this many pixels a step (see the end)
+    FOLD_UNROLL: tl.constexpr,  # with FOLD_PIXELS: replicas' loads issued together
 ):
     # The forward's program layout and tile (msda/kernels/forward.py explains both).
     pid = tl.program_id(0)
@@ -352,7 +354,7 @@ def msda_backward_kernel(
                     pixel = start + tl.maximum(y0, 0) * w + tl.maximum(x0, 0)
                     listed = left | right
                     rank = tl.atomic_add(
-                        list_counts_ptr + ((b * NUM_HEADS + m) * num_values + pixel) * COUNT_STRIDE,
+                        counts_ptr + ((b * NUM_HEADS + m) * num_values + pixel) * COUNT_STRIDE,
                         1,
                         mask=listed,
                         sem="relaxed",
@@ -474,6 +476,69 @@ def msda_backward_kernel(
                     # its g before any writes d logit over it.
                     tl.debug_barrier()
                     tl.store(grad_attn_ptr + first_param + j, grad_logit.to(grad_attn_ptr.dtype.element_ty), mask=mask)
+
+    if FOLD_PIXELS > 0:
+        # Few replica rows (launch.fold_in_kernel: the decoders'): the last program of each
+        # (batch, head) to finish folds that head's replicas into grad_value, in place of a
+        # kernel of its own (a launch of mostly idle programs: no decoder level takes replicas
+        # at the presets). Each program counts itself done in counts_ptr[b, m] after its adds:
+        # the barrier orders every thread's adds before thread 0's count (a release at GPU
+        # scope); the program that counts last acquires them all, and reads the replicas from
+        # L2 (".cg": not its L1). (Inline, as the lane placement's offsets: a helper given
+        # shapes_ptr, entry 38. Names of their own: the branches above leave theirs.)
+        tl.static_assert(REPLICAS, "FOLD_PIXELS folds replicas")
+        spread = b * 0  # the batch's replica rows in use: none at the decoders, so no count
+        for each in tl.static_range(NUM_LEVELS):
+            fold_h = tl.load(shapes_ptr + 2 * each).to(b.dtype)
+            fold_w = tl.load(shapes_ptr + 2 * each + 1).to(b.dtype)
+            fold_replicas, fold_area = level_replicas(fold_h, fold_w, spread, num_queries, replica_rows, NUM_POINTS)
+            spread += (fold_replicas - 1) * fold_area
+        if spread > 0:
+            tl.debug_barrier()
+            programs_done = tl.atomic_add(counts_ptr + b * NUM_HEADS + m, 1, sem="acq_rel", scope="gpu")
+            if programs_done == num_q_blocks - 1:
+                FOLD_ROW: tl.constexpr = NUM_HEADS * HEAD_DIM
+                fold_channel = m * HEAD_DIM + tl.arange(0, BLOCK_D)[None, :]
+                fold_channel_ok = tl.arange(0, BLOCK_D)[None, :] < HEAD_DIM
+                taken = b * 0  # replica rows of the levels before
+                fold_start = b * 0
+                for each in tl.static_range(NUM_LEVELS):
+                    fold_h = tl.load(shapes_ptr + 2 * each).to(b.dtype)
+                    fold_w = tl.load(shapes_ptr + 2 * each + 1).to(b.dtype)
+                    if LEVEL_STARTS:
+                        fold_start = tl.load(starts_ptr + each).to(b.dtype)
+                    fold_replicas, fold_area = level_replicas(
+                        fold_h, fold_w, taken, num_queries, replica_rows, NUM_POINTS
+                    )
+                    # The kernel added nothing on an unusable level, and nothing past its area.
+                    if (fold_replicas > 1) & level_ok(fold_h, fold_w, fold_start, num_values):
+                        first_pixel = b * 0  # while loops: the interpreter's range takes no loaded bound
+                        while first_pixel < fold_area:
+                            fold_pixel = first_pixel + tl.arange(0, FOLD_PIXELS)[:, None]
+                            fold_ok = (fold_pixel < fold_area) & fold_channel_ok
+                            folded = tl.zeros([FOLD_PIXELS, BLOCK_D], dtype=tl.float32)
+                            copy = b * 0 + 1  # copy 0 is grad_value itself
+                            while copy < fold_replicas:
+                                for j in tl.static_range(FOLD_UNROLL):  # in copy order, as the fold kernel adds
+                                    copy_row = b * replica_rows + taken + (copy + j - 1) * fold_area + fold_pixel
+                                    folded += tl.load(
+                                        replica_ptr + copy_row * FOLD_ROW + fold_channel,
+                                        mask=fold_ok & (copy + j < fold_replicas),
+                                        other=0.0,
+                                        cache_modifier=".cg",
+                                    ).to(tl.float32)
+                                copy += FOLD_UNROLL
+                            # An atomic add, not a store: levels may overlap (only MSDA_VALIDATE rules that out).
+                            tl.atomic_add(
+                                grad_value_ptr + (b * num_values + fold_start + fold_pixel) * FOLD_ROW + fold_channel,
+                                folded.to(grad_value_ptr.dtype.element_ty),
+                                mask=fold_ok,
+                                sem="relaxed",
+                            )
+                            first_pixel += FOLD_PIXELS
+                    taken += (fold_replicas - 1) * fold_area
+                    if not LEVEL_STARTS:
+                        fold_start += fold_h * fold_w
 
 
 @triton.jit
@@ -695,6 +760,23 @@ def replica_rows(
     return torch.sym_max(1, torch.sym_min(samples // SAMPLES_PER_REPLICA.value, num_values // 2))
 
 
+def folds_in_kernel(replica_rows, head_dim: int) -> bool:
+    """Whether the backward kernel folds the replicas itself (its last program of each (batch,
+    head), after its adds), not msda_fold_replicas_kernel: where a head's replica rows hold at
+    most FOLD_IN_KERNEL_ELEMENTS elements. One program then folds a head's replicas after the
+    kernel's other programs: a short tail where few rows are in use, and none at all where no
+    level takes replicas (the decoders at the presets), against a launch of mostly idle
+    programs. More rows (DINO's, the encoders': 355 k elements a head at the preset) take the
+    fold kernel, whose programs share them. Takes SymInts (then guards on the comparison)."""
+    return replica_rows * head_dim <= FOLD_IN_KERNEL_ELEMENTS
+
+
+# The decoder preset's 6,400 (200 rows of 32 channels, none used there), RT-DETR's 4,800; not
+# DINO's 900 queries (19,200). A program of one warp (the decoders') folding them all would take
+# about 4 us, 13 steps of 16 pixels, against the fold kernel's 2-3 (bench/NOTES.md entry 98).
+FOLD_IN_KERNEL_ELEMENTS = 2**13
+
+
 # The deterministic mode (torch.use_deterministic_algorithms(True)) sums grad_value in 64-bit
 # fixed point: each contribution times a power of two 2**e, rounded toward zero to an integer,
 # added with integer atomics (associative: the same bits in any order), then converted back and
@@ -741,8 +823,8 @@ def from_fixed_point(accumulator: torch.Tensor, scale: torch.Tensor, dtype: torc
 
 # Replica rows of at most 1 / ONE_FILL_REPLICA_SHARE of grad_value's share its allocation, and
 # its fill: one launch less (the decoders' replicas, 0.9% of grad_value at the preset, are seldom
-# used), for a storage that much larger under the grad_value returned. Traced calls keep two
-# torch.zeros (the compiler makes the fills).
+# used), for a storage that much larger under the grad_value returned. Traced calls keep their
+# own torch.zeros (the compiler makes the fills).
 ONE_FILL_REPLICA_SHARE = 16
 
 
@@ -754,31 +836,45 @@ def grad_value_buffer(
     num_levels: int,
     num_points: int,
     lists: bool = False,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(zeros the kernel scatters grad_value into, fixed-point scale or None, zeros for the
-    replicas of dense levels or None). Under torch.use_deterministic_algorithms(True): int64 and
-    its scale (attention_weights None: softmax weights, at most 1), no replicas; with `lists`
-    no buffer at all (None: kernels/deterministic.py sums grad_value); else
-    `grad_value_accumulator_dtype`'s dtype, with replicas where `replica_rows` asks for them."""
+    replicas of dense levels or None, int32 zeros (B, M) for the backward kernel to fold the
+    replicas itself or None). Under torch.use_deterministic_algorithms(True): int64 and its scale
+    (attention_weights None: softmax weights, at most 1), no replicas; with `lists` no buffer at
+    all (None: kernels/deterministic.py sums grad_value); else `grad_value_accumulator_dtype`'s
+    dtype, with replicas where `replica_rows` asks for them, folded in the backward kernel where
+    `folds_in_kernel` says."""
     if torch.are_deterministic_algorithms_enabled():
         if lists:
-            return None, None, None
+            return None, None, None, None
         scale = fixed_point_scale(grad_output, attention_weights, num_queries * num_levels * num_points)
-        return torch.zeros(value.shape, dtype=torch.int64, device=value.device), scale, None
+        return torch.zeros(value.shape, dtype=torch.int64, device=value.device), scale, None, None
     dtype = grad_value_accumulator_dtype(value, num_queries, num_levels, num_points)
     plain = type(value) is torch.Tensor  # not traced (fake or functional tensors under compile and export)
     B, S, M, D = value.shape
     rows = replica_rows(dtype, num_queries, S, num_levels, num_points)
-    if plain and rows is not None and rows * ONE_FILL_REPLICA_SHARE <= S:
-        # Few replica rows (the decoders): after grad_value's in one allocation, one fill for both,
-        # from a 16-byte boundary as an allocation of their own would start (the kernels' pointers
-        # are compiled for it).
-        elements, start = value.numel(), -(-value.numel() // 8) * 8
-        zeros = zero_(value.new_empty(start + B * rows * M * D, dtype=dtype))
-        return zeros[:elements].view(value.shape), None, zeros[start:].view(B, rows, M, D)
-    buffer = _zeros(value, value.shape, dtype, plain)
-    replicas = None if rows is None else _zeros(value, (B, rows, M, D), dtype, plain)
-    return buffer, None, replicas
+    if rows is None:
+        return _zeros(value, value.shape, dtype, plain), None, None, None
+    in_kernel = folds_in_kernel(rows, D)
+    if plain and rows * ONE_FILL_REPLICA_SHARE <= S:
+        # Few replica rows (the decoders): grad_value, the replicas and the counts in one
+        # allocation and one fill, each from a 16-byte boundary as an allocation of its own would
+        # start (the kernels' pointers are compiled for it).
+        replicas_at = _aligned(value.numel())
+        counts_at = _aligned(replicas_at + B * rows * M * D)
+        count_elements = -(-4 * B * M // dtype.itemsize) if in_kernel else 0
+        zeros = zero_(value.new_empty(counts_at + count_elements, dtype=dtype))
+        grad_value = zeros[: value.numel()].view(value.shape)
+        replicas = zeros[replicas_at : replicas_at + B * rows * M * D].view(B, rows, M, D)
+        counts = zeros[counts_at:].view(torch.int32)[: B * M].view(B, M) if in_kernel else None
+        return grad_value, None, replicas, counts
+    counts = _zeros(value, (B, M), torch.int32, plain) if in_kernel else None
+    return _zeros(value, value.shape, dtype, plain), None, _zeros(value, (B, rows, M, D), dtype, plain), counts
+
+
+def _aligned(elements: int) -> int:
+    """`elements` rounded up to a multiple of 8 (16 bytes of 2-byte elements, more of wider ones)."""
+    return -(-elements // 8) * 8
 
 
 def _zeros(like: torch.Tensor, shape, dtype: torch.dtype, plain: bool) -> torch.Tensor:

@@ -24,6 +24,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from . import ahead
 from .backward import (
     FIXED_POINT_BITS,
+    folds_in_kernel,
     grad_value_accumulator_dtype,
     msda_backward_kernel,
     msda_fold_replicas_kernel,
@@ -434,6 +435,7 @@ def backward_call(
     scratch: Tensor | None = None,
     fixed_point_scale: Tensor | None = None,
     replicas: Tensor | None = None,
+    fold_counts: Tensor | None = None,
     lists: ListBuffers | None = None,
     shared_tile: bool = False,
 ) -> tuple[tuple[int], tuple, dict]:
@@ -449,7 +451,8 @@ def backward_call(
     zeros, summed in fixed point; `backward.from_fixed_point` converts it.
 
     replicas (`backward.grad_value_buffer`): zeros like grad_value, (B, rows, M, D), that dense
-    levels are summed into besides grad_value; `fold_call`'s kernel then adds them to grad_value.
+    levels are summed into besides grad_value; `fold_call`'s kernel then adds them to grad_value,
+    or, given fold_counts (int32 zeros, (B, M): `backward.folds_in_kernel`), this kernel does.
 
     grad_value None: the kernel computes the other two gradients alone (the deterministic mode's
     `deterministic_grad_value` sums grad_value); with `lists` (`list_buffers`) it also counts the
@@ -469,6 +472,7 @@ def backward_call(
         not summed_by_lists and value_rows_evicted_first(grad_value, value.device, Q, S),
         0 if lists is None else list_rule(Q, S, value).count_stride,
         SHARED_TILE_PIXELS if shared_tile else 0,
+        (FOLD_STEP_ELEMENTS, FOLD_UNROLL) if fold_counts is not None else None,
         config or (LIST_BACKWARD if summed_by_lists else None) or backward_config,
     )  # fmt: skip
     if softmax and scratch is None:
@@ -477,7 +481,7 @@ def backward_call(
     grad_output, *tensors = backward_tensors(
         grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, grad_value,
         grad_loc, grad_attn, scratch=scratch if softmax else None, fixed_point_scale=fixed_point_scale,
-        replicas=replicas, lists=lists,
+        replicas=replicas, fold_counts=fold_counts, lists=lists,
     )  # fmt: skip
     args = (
         grad_output, grad_output.stride(0), grad_output.stride(1), *tensors, Q, S,
@@ -490,12 +494,16 @@ def backward_tensors(
     grad_output: Tensor, value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor | None,
     sampling_locations: Tensor, attention_weights: Tensor, grad_value: Tensor | None, grad_loc: Tensor,
     grad_attn: Tensor, *, scratch: Tensor | None = None, fixed_point_scale: Tensor | None = None,
-    replicas: Tensor | None = None, lists: ListBuffers | None = None,
+    replicas: Tensor | None = None, fold_counts: Tensor | None = None, lists: ListBuffers | None = None,
 ) -> tuple:  # fmt: skip
     """msda_backward_kernel's tensor arguments, in order (grad_output's two strides follow the
     first; Q, S and the replicas' rows the last). An absent one's place takes a tensor the kernel
     leaves alone: spatial_shapes, or the weights for `scratch` (an input, never an output: two
     outputs that alias would trouble torch.compile's reinplacing of the kernel's writes)."""
+    if lists is not None:
+        counts = lists.counters
+    else:  # unwritten if None
+        counts = spatial_shapes if fold_counts is None else fold_counts
     return (
         grad_output,
         value,
@@ -509,7 +517,7 @@ def backward_tensors(
         grad_loc,
         grad_attn,
         attention_weights if scratch is None else scratch,  # unused without softmax
-        spatial_shapes if lists is None else lists.counters,  # unwritten if None
+        counts,
         spatial_shapes if lists is None else lists.weights,  # unwritten if None
     )
 
@@ -517,6 +525,7 @@ def backward_tensors(
 def backward_signature(
     grad_output: Tensor, value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor | None,
     sampling_locations: Tensor, attention_weights: Tensor, grad_value: Tensor, replicas: Tensor | None = None,
+    fold_counts: Tensor | None = None,
 ) -> tuple:  # fmt: skip
     """What `backward_call` reads of a plain call (grad_value the zeros it adds into, with or
     without replicas: no softmax, fixed point, lists or shared tile) on contiguous tensors and a
@@ -527,7 +536,8 @@ def backward_signature(
         grad_output.stride(), grad_output.dtype, value.shape, value.dtype, value.device,
         spatial_shapes.dtype, None if level_start_index is None else level_start_index.dtype,
         sampling_locations.shape, sampling_locations.dtype, attention_weights.dtype, grad_value.dtype,
-        None if replicas is None else (replicas.shape, replicas.dtype), backward_config,
+        None if replicas is None else (replicas.shape, replicas.dtype), fold_counts is None, backward_config,
+        FOLD_STEP_ELEMENTS, FOLD_UNROLL,
     )  # fmt: skip
 
 
@@ -535,10 +545,11 @@ def backward_signature(
 def _backward_constexprs(
     L: int, K: int, M: int, D: int, dtype: torch.dtype, compute, every_pixel: bool, index_64: bool,
     level_starts: bool, softmax: bool, fixed_point: bool, replicas: bool, accumulator_size: int,
-    value_evicted_first: bool, count_stride: int, tile_pixels: int, config,
+    value_evicted_first: bool, count_stride: int, tile_pixels: int, fold: tuple[int, int] | None, config,
 ) -> dict:  # fmt: skip
-    """backward_call's settings (accumulator_size: grad_value's element size, 0 for the lists; config:
-    a TileConfig or the launch rule, as for `_forward_constexprs`)."""
+    """backward_call's settings (accumulator_size: grad_value's element size, 0 for the lists;
+    fold: the replicas folded in the kernel, (FOLD_STEP_ELEMENTS, FOLD_UNROLL); config: a
+    TileConfig or the launch rule, as for `_forward_constexprs`)."""
     if not isinstance(config, TileConfig):
         config = config(L, K, D, dtype, every_pixel, **({"lists": True} if accumulator_size == 0 else {}))
     constexprs = dict(config.constexprs(D, dtype.itemsize, K))
@@ -561,6 +572,10 @@ def _backward_constexprs(
         VALUE_EVICTION="evict_first" if value_evicted_first else "",
         COUNT_STRIDE=count_stride,
         TILE_PIXELS=tile_pixels,
+        # A fold step: pixels of one head's channels, FOLD_STEP_ELEMENTS a thread (the decoders
+        # run 1-warp programs, whose registers a fold kernel's tile would double).
+        FOLD_PIXELS=0 if fold is None else max(1, fold[0] * 32 * constexprs["num_warps"] // constexprs["BLOCK_D"]),
+        FOLD_UNROLL=1 if fold is None else fold[1],
     )
     constexprs["PREFETCH"] = bool(config.prefetch) and constexprs["UNROLL"] == 1
     # The lane placement adds into grad_value or its replicas, not in fixed point, or beside the
@@ -688,6 +703,8 @@ def backward_launches(
     grad_value = torch.empty(value.shape, dtype=dtype, device="meta")
     rows = replica_rows(dtype, Q, S, L, K)
     replicas = None if rows is None else torch.empty((B, rows, M, D), dtype=dtype, device="meta")
+    in_kernel = rows is not None and folds_in_kernel(rows, D)
+    fold_counts = torch.empty((B, M), dtype=torch.int32, device="meta") if in_kernel else None
     grad_loc = torch.empty(sampling_locations.shape, dtype=sampling_locations.dtype, device="meta")
     grad_attn = torch.empty(attention_weights.shape, dtype=attention_weights.dtype, device="meta")
     shared_tile = shared_tile_applies(
@@ -696,10 +713,11 @@ def backward_launches(
     )  # fmt: skip
     inputs = (value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
     _, args, constexprs = backward_call(
-        grad_output, *inputs, grad_value, grad_loc, grad_attn, replicas=replicas, shared_tile=shared_tile
-    )
+        grad_output, *inputs, grad_value, grad_loc, grad_attn, replicas=replicas, fold_counts=fold_counts,
+        shared_tile=shared_tile,
+    )  # fmt: skip
     launches = [(msda_backward_kernel, args, constexprs)]
-    if replicas is not None:
+    if replicas is not None and fold_counts is None:
         _, args, constexprs = fold_call(grad_value, replicas, spatial_shapes, level_start_index, Q, K)
         launches.append((msda_fold_replicas_kernel, args, constexprs))
     if shared_tile:
@@ -737,6 +755,10 @@ FOLD_TILE_ELEMENTS = 2048  # a fold program's pixels times their M * D elements 
 # their loads are in flight at once (bench/NOTES.md entry 97).
 FOLD_REPLICAS_A_PROGRAM = 16
 FOLD_UNROLL = 4
+# Where the backward kernel folds (`backward.folds_in_kernel`), its step takes this many
+# elements a thread, each of FOLD_UNROLL loads (8: 113 registers in the float16 decoder kernel
+# for 98 without the fold; 16 took as many, with 20% more instructions).
+FOLD_STEP_ELEMENTS = 8
 
 
 def fold_call(
