@@ -1,7 +1,8 @@
-"""Session 46: the half-precision decoders' backward, kernel by kernel, in three turns of one
-process: the replicas in a fill of their own (entry 97), the replicas sharing grad_value's fill
-(`backward.ONE_FILL_REPLICA_SHARE`), and no replicas at all (entry 96's unsound rule: what the
-buffer and the fold cost together). Then the eager backward's end-to-end time (`eager.launch_backward`
+"""Session 46: the half-precision decoders' backward, kernel by kernel, in four turns of one
+process: the replicas in a fill of their own and folded by the fold kernel (entry 97), the
+replicas sharing grad_value's fill (`backward.ONE_FILL_REPLICA_SHARE`), that and the fold in the
+backward kernel (`backward.folds_in_kernel`, the default), and no replicas at all (entry 96's
+unsound rule: what the buffer and the fold cost together). Then the eager backward's end-to-end time (`eager.launch_backward`
 called directly, and forward + backward through autograd) with the prepared launches of this
 session against the argument builder (HEAD's path for a call with replicas).
 
@@ -28,6 +29,7 @@ SHAPES = {  # (shape, dist)
     "DINO 4-scale (Q=900)": (Shape(4, 900, 8, 32, DETR_LEVELS, 4), "local"),
 }
 ROWS, SHARE, KEEP = backward.replica_rows, backward.ONE_FILL_REPLICA_SHARE, eager._keep_prepared
+IN_KERNEL = backward.FOLD_IN_KERNEL_ELEMENTS
 
 
 def keep_forwards_only(launches, *args) -> None:  # HEAD's eager path for a backward with replicas
@@ -39,6 +41,7 @@ def use(variant: str) -> None:
     rows = (lambda *args, **kwargs: None) if variant == "no replicas" else ROWS
     backward.replica_rows = launch.replica_rows = rows
     backward.ONE_FILL_REPLICA_SHARE = 2**62 if variant == "own fill" else SHARE
+    backward.FOLD_IN_KERNEL_ELEMENTS = IN_KERNEL if variant == "folded here" else 0
 
 
 def short(name: str) -> str:
@@ -47,7 +50,7 @@ def short(name: str) -> str:
 
 def main() -> None:
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    variants = ("own fill", "one fill", "no replicas")
+    variants = ("own fill", "one fill", "folded here", "no replicas")
     for name, (shape, dist) in SHAPES.items():
         for dtype in (torch.float16, torch.bfloat16):
             inputs = make_inputs(shape, dtype, "cuda", dist=dist, seed=1)
@@ -71,10 +74,10 @@ def main() -> None:
                 use(v)
                 error = relative_error(call()[0].double(), expected)
                 parts = ", ".join(f"{k} {statistics.median(us):.1f}" for k, us in kernels[v].items())
-                print(f"  {v:12} profiler {statistics.median(totals[v]):6.1f} graph {statistics.median(graphs[v]):6.1f}"
+                print(f"  {v:11} profiler {statistics.median(totals[v]):6.1f} graph {statistics.median(graphs[v]):6.1f}"
                       f" err {error:.2e}  [{parts}]", flush=True)  # fmt: skip
             del expected
-            use("one fill")
+            use("folded here")
             # End to end: the eager backward alone, then a step through autograd.
             leaves = [t.detach().clone().requires_grad_(True) for t in (args[0], args[3], args[4])]
 
