@@ -2,9 +2,10 @@
 process: the replicas in a fill of their own and folded by the fold kernel (entry 97), the
 replicas sharing grad_value's fill (`backward.ONE_FILL_REPLICA_SHARE`), that and the fold in the
 backward kernel (`backward.folds_in_kernel`, the default), and no replicas at all (entry 96's
-unsound rule: what the buffer and the fold cost together). Then the eager backward's end-to-end time (`eager.launch_backward`
-called directly, and forward + backward through autograd) with the prepared launches of this
-session against the argument builder (HEAD's path for a call with replicas).
+unsound rule: what the buffer and the fold cost together). Then the eager backward's end-to-end
+time (`eager.launch_backward` called directly, and forward + backward through autograd) with the
+prepared launches of this session against the argument builder (HEAD's path for a call with
+replicas).
 
     PYTHONPATH=. python3 bench/results/sweeps/session46-decoder_fills.py
 """
