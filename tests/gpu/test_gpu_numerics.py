@@ -1,6 +1,7 @@
 """GPU tier: the Triton kernels at the presets of docs/benchmarking.md against the float64 reference,
 for every dtype, mixed location/value dtypes, both location distributions."""
 
+import dataclasses
 import math
 from unittest import mock
 
@@ -16,6 +17,7 @@ from msda.kernels import launch
 from msda.kernels.backward import (
     NATIVE_MIN_ELEMENTS,
     SAMPLES_PER_REPLICA,
+    folds_in_kernel,
     grad_value_accumulator_dtype,
     replica_rows,
 )
@@ -70,6 +72,27 @@ def test_levels_of_a_pixel_under_many_queries(dtype):
     assert inputs.value.numel() >= NATIVE_MIN_ELEMENTS  # native half-precision sums
     grad_output = random_like_output(inputs)
     assert_matches_reference(inputs, forward_backward(inputs, grad_output), grad_output)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("starts", [True, False], ids=["starts", "summed"])
+def test_replicas_folded_by_the_backward_kernel(dtype, starts):
+    """The decoder preset with its coarsest level shrunk to 2 x 2 (300 samples a pixel: 13
+    replicas): its replicas folded by the backward kernel's last program of each (batch, head),
+    which must see every other program's adds (backward.folds_in_kernel; each of 32 heads has
+    150 programs), within the bound, with level_start_index and with the sizes summed."""
+    shape = dataclasses.replace(PRESETS["decoder"], levels=PRESETS["decoder"].levels[:3] + ((2, 2),))
+    inputs = make_inputs(shape, dtype, "cuda", seed=5)
+    Q, S, L, K = shape.queries, shape.num_values, len(shape.levels), shape.points
+    assert folds_in_kernel(replica_rows(dtype, Q, S, L, K), shape.head_dim)
+    grad_output = random_like_output(inputs)
+
+    def fn(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+        return msda.multi_scale_deformable_attention(
+            value, spatial_shapes, level_start_index if starts else None, sampling_locations, attention_weights
+        )
+
+    assert_matches_reference(inputs, forward_backward(inputs, grad_output, fn), grad_output)
 
 
 @pytest.mark.parametrize("preset,replicated", [("decoder", [1, 1, 1, 1]), ("encoder", [1, 1, 4, 14])])
@@ -236,15 +259,19 @@ def test_eager_forwards_reuse_a_prepared_launch(dtype):
     assert relative_error(out, expected) <= tolerance(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=lambda d: str(d).removeprefix("torch."))
-def test_eager_backwards_reuse_a_prepared_launch(dtype):
+@pytest.mark.parametrize(
+    "dtype, queries", [(torch.float32, 300), (torch.float16, 300), (torch.float16, 900)], ids=str
+)  # fmt: skip
+def test_eager_backwards_reuse_a_prepared_launch(dtype, queries):
     """A second eager backward of a plain call's shapes, dtypes and strides (the decoder's:
     grad_value zeros, and in float16 their replicas, that the kernel alone adds into) takes the
-    launches the first one prepared, the fold's too (msda/eager.py: no argument builder), on its
-    own tensors, within the oracle's bound. A grad_output 8 bytes past an allocation has the same
-    key but not the 16-byte alignment the kernel was compiled for: that call goes the long way
+    launches the first one prepared, the fold's too where the replicas take the fold kernel (900
+    queries: `backward.folds_in_kernel`), with no argument builder (msda/eager.py), on its own
+    tensors, within the oracle's bound. A grad_output 8 bytes past an allocation has the same key
+    but not the 16-byte alignment the kernel was compiled for: that call goes the long way
     (Triton's JIT), as accurate."""
-    first, second = (make_inputs(PRESETS["decoder"], dtype, "cuda", seed=seed) for seed in (17, 18))
+    shape = dataclasses.replace(PRESETS["decoder"], queries=queries)
+    first, second = (make_inputs(shape, dtype, "cuda", seed=seed) for seed in (17, 18))
     forward_backward(first, random_like_output(first))
     grad_output = random_like_output(second, seed=2)
     shift = 8 // grad_output.element_size()
@@ -258,7 +285,7 @@ def test_eager_backwards_reuse_a_prepared_launch(dtype):
     ):
         prepared = forward_backward(second, grad_output)
         assert builder.call_count == 0 and fold_builder.call_count == 0
-        assert folds.call_count == (1 if dtype == torch.float16 else 0)  # the replicas' fold, prepared
+        assert folds.call_count == (1 if queries == 900 else 0)  # the fold kernel, prepared
         long_way = forward_backward(second, shifted)
         assert builder.call_count == 1
     assert_matches_reference(second, prepared, grad_output)
