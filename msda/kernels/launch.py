@@ -756,8 +756,9 @@ FOLD_TILE_ELEMENTS = 2048  # a fold program's pixels times their M * D elements 
 FOLD_REPLICAS_A_PROGRAM = 16
 FOLD_UNROLL = 4
 # Where the backward kernel folds (`backward.folds_in_kernel`), its step takes this many
-# elements a thread, each of FOLD_UNROLL loads (8: 113 registers in the float16 decoder kernel
-# for 98 without the fold; 16 took as many, with 20% more instructions).
+# elements a thread, each of FOLD_UNROLL loads (8: 104 registers in the float16 decoder kernel
+# for 98 without the fold, the same 19 programs of a warp an SM; its whole tile, 2,048 elements,
+# took 144).
 FOLD_STEP_ELEMENTS = 8
 
 
