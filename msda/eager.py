@@ -134,8 +134,8 @@ def _launch(launcher, grid, args, constexprs, device) -> None:
 
 # The launches as `DirectLauncher.prepare` resolved them, by `launch.forward_signature`,
 # `launch.backward_signature` and `launch.fold_signature` (None: that call's launch could not be
-# prepared). With one, an eager
-# call skips the argument builder and the launcher's key (bench/NOTES.md entries 73 and 75).
+# prepared). With one, an eager call skips the argument builder and the launcher's key
+# (bench/NOTES.md entries 73 and 75).
 _forward_launches: dict[tuple, object] = {}
 _backward_launches: dict[tuple, object] = {}
 _fold_launches: dict[tuple, object] = {}
