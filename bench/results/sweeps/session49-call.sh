@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 49, first device call: the decoder preset's bench in all three dtypes (half first:
 # issue 13's half decoder cells), msda against deformops, then the whole GPU tier (fuzz at 50
-# examples a dtype) with the time left. The bench runs alone, never beside the tier. As run
+# examples a dtype) with the time left. The bench runs alone, never beside the tier. Not run in
+# session 49 (no H200 came; entry 101); to run
 # (carry .whl):   LIMIT=585 bash bench/results/sweeps/session49-call.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1

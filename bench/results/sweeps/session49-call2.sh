@@ -3,7 +3,8 @@
 # bench, float32 first (issue 12's `local` cell, issue 13's float32 encoder cells), then half
 # precision, both distributions, msda against deformops; then `python -m bench.calls`.
 # results.json is written during the run, so a call cut short keeps the cells it finished.
-# As run:   LIMIT=... bash bench/results/sweeps/session49-call2.sh   (carry .whl)
+# Not run in session 49 (no H200 came; entry 101). To run:
+#   LIMIT=... bash bench/results/sweeps/session49-call2.sh   (carry .whl)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 limit=${LIMIT:-585}
