@@ -36,7 +36,7 @@ sanitize() {  # memcheck over the kernels' edge shapes, racecheck over the share
 }
 
 tier() {
-  local pids=() names=(gpu_bad_input gpu_graphs gpu_numerics gpu_contract gpu_fuzz rest sanitize) i s=0
+  local pids=() names=(gpu_bad_input gpu_graphs gpu_numerics gpu_contract gpu_fuzz rest sanitize) i s=0 pid rc done_count=0
   # The fuzz's default, 500 examples a dtype, takes over 9 minutes on one H200: past a 10-minute
   # device call with the rest (MSDA_GPU_FUZZ_EXAMPLES=50 fits; run the 500 on their own).
   echo "fuzz: ${MSDA_GPU_FUZZ_EXAMPLES:-500} examples a dtype (MSDA_GPU_FUZZ_EXAMPLES)"
@@ -54,9 +54,17 @@ tier() {
   pytest_log rest 1200 tests --ignore=tests/gpu --deselect tests/test_kernels_compile.py::test_kernels_compile_for_hopper \
     ${parallel[@]+"${parallel[@]}"} & pids+=($!)
   sanitize >"$out/sanitize.log" 2>&1 & pids+=($!)
-  for i in "${!pids[@]}"; do
-    wait "${pids[$i]}"; local rc=$?
-    echo "== ${names[$i]} exit $rc: $(grep -E '(passed|failed|error|summary)' "$out/${names[$i]}.log" | tail -1)"
+  # Each group reported as it ends, not in launch order: a call cut short (the device tool's
+  # time limit) still prints every group that finished (session 49 lost the lines of five).
+  # `wait -n -p` needs bash 5.1; an older bash waits in launch order.
+  for _ in "${pids[@]}"; do
+    if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] >= 501)); then
+      wait -n -p pid; rc=$?  # the tier's jobs are the only ones this shell has
+    else
+      pid=${pids[$((done_count++))]}; wait "$pid"; rc=$?
+    fi
+    for i in "${!pids[@]}"; do [ "${pids[$i]}" = "$pid" ] && break; done
+    echo "== ${names[$i]} exit $rc after $SECONDS s: $(grep -E '(passed|failed|error|summary)' "$out/${names[$i]}.log" | tail -1)"
     [ $rc = 0 ] || s=$rc
   done
   return $s

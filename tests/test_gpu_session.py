@@ -29,10 +29,12 @@ echo "$(basename "$0") $*" >> "$STAND_IN_LOG"
 """
 
 
-def run_session(tmp_path: Path, *parts: str, missing: str = "") -> tuple[subprocess.CompletedProcess, list[str]]:
+def run_session(
+    tmp_path: Path, *parts: str, missing: str = "", sanitizer: str = LOGGER
+) -> tuple[subprocess.CompletedProcess, list[str]]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, body in (("python3", PYTHON3), ("nvidia-smi", LOGGER), ("compute-sanitizer", LOGGER)):
+    for name, body in (("python3", PYTHON3), ("nvidia-smi", LOGGER), ("compute-sanitizer", sanitizer)):
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(0o755)
     log = tmp_path / "calls.log"
@@ -52,6 +54,9 @@ def test_default_runs_the_tier_and_the_bench(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "unknown part" not in proc.stdout
     assert "== tier exit 0" in proc.stdout and "== bench exit 0" in proc.stdout
+    groups = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("== ") and " after " in line]
+    assert sorted(groups) == sorted(["gpu_bad_input", "gpu_graphs", "gpu_numerics", "gpu_contract", "gpu_fuzz",
+                                     "rest", "sanitize"])  # each group reported once, as it ends
     runs = pytest_calls(calls)
     assert len(runs) == 6  # five GPU groups and the rest of the tests
     assert all("--timeout=" in c for c in runs)
@@ -73,6 +78,13 @@ def test_without_xdist_and_pytest_timeout_the_tier_still_runs(tmp_path):
     runs = pytest_calls(calls)
     assert len(runs) == 6 and not any("-n 6" in c or "--timeout" in c for c in runs)
     assert not any("-m bench" in c for c in calls)
+
+
+def test_a_failing_group_fails_the_tier(tmp_path):
+    proc, _ = run_session(tmp_path, "tier", sanitizer="#!/usr/bin/env bash\nexit 9\n")
+    assert proc.returncode == 9, proc.stdout + proc.stderr
+    assert "== sanitize exit 9 after" in proc.stdout and "== tier exit 9" in proc.stdout
+    assert "== gpu_numerics exit 0 after" in proc.stdout  # the others still reported
 
 
 def test_parts_run_in_order_and_an_unknown_part_fails(tmp_path):
