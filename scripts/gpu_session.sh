@@ -50,7 +50,7 @@ tier() {
     tests/gpu/test_gpu_under_load.py tests/gpu/test_gpu_distributed.py & pids+=($!)
   pytest_log gpu_fuzz 900 tests/gpu/test_gpu_fuzz.py -s & pids+=($!)
   # The rest (the README command covers it too), without the sm_90 compile check: CI runs it,
-  # and its 208 compiles on one core took minutes here beside the other groups.
+  # and its compiles (724 since entry 102) on one core took minutes here beside the other groups.
   pytest_log rest 1200 tests --ignore=tests/gpu --deselect tests/test_kernels_compile.py::test_kernels_compile_for_hopper \
     ${parallel[@]+"${parallel[@]}"} & pids+=($!)
   sanitize >"$out/sanitize.log" 2>&1 & pids+=($!)
