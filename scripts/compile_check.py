@@ -309,7 +309,7 @@ def main() -> int:
     else:
         # Every quick shape with int64 spatial shapes and the default (unfused) softmax. int32
         # spatial shapes (a scalar load's width) and the fused softmax (launch.FUSED_SOFTMAX, off
-        # by default; the GPU tier compiles it at real shapes) at the preset only, and 64-bit
+        # by default; the GPU tier compiles it at the decoder preset) at the preset only, and 64-bit
         # indices there too: its 16 x 1 forward tiles once crashed with them. All of them at
         # every quick shape took 1,124 compiles, ~10 minutes of one core in CI (bench/NOTES.md
         # entry 102); --full still runs every combination.
