@@ -35,9 +35,14 @@ def _compiled_kernel(recorded: list) -> CompiledKernel:
 
 
 def test_the_direct_c_launch_passes_what_the_public_route_does():
+    """On the triton releases it was written for (C_LAUNCH_TRITON); any other takes the public
+    route (the next tests: triton 3.7 gave the C function other arguments)."""
     public, direct_route = [], []
-    _compiled_kernel(public)[GRID](*ARGS, stream=STREAM)
     launch, head = direct._c_launch(_compiled_kernel(direct_route))
+    if direct.TRITON_RELEASE not in direct.C_LAUNCH_TRITON:
+        assert head == () and launch.__name__ == "launch" and launch.__module__ == direct.__name__
+        return
+    _compiled_kernel(public)[GRID](*ARGS, stream=STREAM)
     launch(*GRID, STREAM, *head, *ARGS)
     (got,), (want,) = direct_route, public
     # grid, stream, function, cooperative grid, PDL, the two scratch buffers, kernel metadata
@@ -55,6 +60,23 @@ def test_a_launcher_it_was_not_written_for_takes_the_public_route():
     compiled._run.global_scratch_align = 16
     launch, head = direct._c_launch(compiled)
     assert head == () and launch is not compiled._run.launch
+
+
+def test_another_triton_release_takes_the_public_route(monkeypatch):
+    """A release whose launcher `_c_launch` was not checked against launches through
+    `compiled[grid]`, which passes the launcher the grid, the stream and the arguments."""
+    monkeypatch.setattr(direct, "C_LAUNCH_TRITON", ())
+    recorded = []
+    monkeypatch.setattr(CudaLauncher, "__call__", lambda self, *args: recorded.append(args))
+    compiled = _compiled_kernel([])
+    launch, head = direct._c_launch(compiled)
+    assert head == () and launch is not compiled._run.launch
+    launch(*GRID, STREAM, *ARGS)
+    ((*got,),) = recorded
+    # grid, stream, function, kernel metadata, launch metadata, the hook chains, the arguments
+    assert got[:6] == [*GRID, STREAM, 0xF00D, (4, 1, 0)]
+    assert got[7] is knobs.runtime.launch_enter_hook and got[8] is knobs.runtime.launch_exit_hook
+    assert tuple(got[9:]) == ARGS
 
 
 def test_a_set_launch_hook_sends_launches_to_the_jit():
@@ -100,6 +122,7 @@ def test_a_kernel_is_reused_only_for_integers_of_its_specialization(monkeypatch)
     assert native_specialize_impl(BaseBackend, 16, False, True, True) == ("i32", "D")
     assert native_specialize_impl(BaseBackend, 17, False, True, True) == ("i32", "")
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: STREAM, raising=False)
+    monkeypatch.setattr(direct, "C_LAUNCH_TRITON", (direct.TRITON_RELEASE,))  # the fakes' launcher is 3.6's
     kernel = _JITKernel()
     launcher = direct.DirectLauncher(kernel)
     x = torch.zeros(64)
@@ -118,6 +141,7 @@ def test_a_prepared_launch_passes_what_the_launcher_would(monkeypatch):
     dtypes (their pointers in the tensors' places, the integers kept), and nothing launched
     (False) for a misaligned pointer or while a launch hook is set."""
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: STREAM, raising=False)
+    monkeypatch.setattr(direct, "C_LAUNCH_TRITON", (direct.TRITON_RELEASE,))  # the fakes' launcher is 3.6's
     kernel = _JITKernel()
     launcher = direct.DirectLauncher(kernel)
     device = torch.device("cuda", 0)

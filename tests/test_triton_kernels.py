@@ -508,6 +508,35 @@ def test_backward_lane_placement_rule():
     assert lists[2]["COUNT_STRIDE"] and not lists[2]["LANE_PLACEMENT"]
 
 
+def test_lane_placement_needs_checked_warp_shuffles():
+    """Outside the interpreter the lane placement runs only where its warp shuffles may (launch.
+    WARP_SHUFFLES: NVIDIA GPUs, with a triton whose layouts scripts/compile_check.py found as
+    they need, 3.6): under another release (3.7 and 3.8 lay them otherwise) or on ROCm each
+    config's own loop runs, forward and backward."""
+    assert launch.WARP_SHUFFLES == (
+        not launch.INTERPRETED and torch.version.hip is None and launch.TRITON_RELEASE in launch.SHUFFLE_LAYOUT_TRITON
+    )
+    decoder = Shape(batch=2, queries=3, heads=2, head_dim=32, levels=((5, 6), (3, 2), (1, 1)), points=4)
+    inputs = make_inputs(decoder, torch.float32, "cpu", seed=87)
+    grad_output = random_like_output(inputs)
+
+    def placed(interpreted: bool, shuffles: bool) -> tuple[bool, bool]:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(launch, "INTERPRETED", interpreted)
+            patch.setattr(launch, "WARP_SHUFFLES", shuffles)
+            launch._forward_constexprs.cache_clear()  # (keyed by the call, not by these flags)
+            launch._backward_constexprs.cache_clear()
+            forward = launch.forward_call(*inputs.args(), torch.empty(0))[2]
+            backward = backward_constexprs(inputs, grad_output)
+        launch._forward_constexprs.cache_clear()
+        launch._backward_constexprs.cache_clear()
+        return forward["LANE_PLACEMENT"], backward["LANE_PLACEMENT"]
+
+    assert placed(interpreted=True, shuffles=False) == (True, True)  # from_lane's masked sum
+    assert placed(interpreted=False, shuffles=True) == (True, True)
+    assert placed(interpreted=False, shuffles=False) == (False, False)
+
+
 def backward_constexprs(inputs, grad_output) -> dict:
     """The backward kernel's settings for a call on `inputs` (its float32 accumulator)."""
     value, shapes, starts, loc, attn = inputs.args()
@@ -580,7 +609,7 @@ def test_shared_tile_rule(monkeypatch):
         )
 
     assert launch.SHARED_TILE == (os.environ.get("MSDA_SHARED_TILE") != "0")  # on unless turned off
-    measured = triton.__version__.split(".")[:2] == launch.SHARED_TILE_TRITON.split(".")
+    measured = triton.__version__.split(".")[:2] in [release.split(".") for release in launch.SHARED_TILE_TRITON]
     assert (launch.msda_shared_tile_kernel is not None) == measured  # only on the triton it was measured on
     monkeypatch.setattr(launch, "SHARED_TILE", False)
     assert not applies()

@@ -8,7 +8,9 @@ Triton's C launcher for it directly. `CompiledKernel[grid](..., stream=...)`, th
 adds per launch a closure, the launch metadata for the launch hooks (a dict, made even while no
 hook is set: the hooks are chains, never None), calls of both hook chains and the scratch
 allocators (bench/NOTES.md entry 64). Where the compiled kernel's launcher is not the one this
-was written for (another Triton release, a kernel with scratch memory), launches take that route.
+was written for (a kernel with scratch memory, or another Triton release: 3.7 replaced the C
+function's arguments with a tuple and its annotations, bench/NOTES.md entry 104), launches take
+that route.
 
 The key holds all that Triton specializes a compiled kernel on: the device, the constexprs and
 launch options, each tensor's dtype (its pointer 16-byte aligned: PyTorch allocations are), and
@@ -38,6 +40,8 @@ from typing import Callable, NamedTuple
 
 import torch
 from triton import knobs
+
+from .launch import TRITON_RELEASE
 
 
 class DirectLauncher:
@@ -115,13 +119,19 @@ def _key(args: tuple, constexprs: dict, device: torch.device) -> tuple:
     )  # fmt: skip
 
 
+# The triton releases whose CUDA launcher's C function takes the arguments `_c_launch` passes
+# (tests/test_direct_launch.py compares them with what the public route passes).
+C_LAUNCH_TRITON = ("3.6",)
+
+
 def _c_launch(compiled) -> tuple:
     """(launch, arguments): `launch(gridX, gridY, gridZ, stream, *arguments, *kernel_arguments)`
-    runs `compiled` without a launch hook. Triton 3.x's CUDA launcher (triton/backends/nvidia/
+    runs `compiled` without a launch hook. Triton 3.6's CUDA launcher (triton/backends/nvidia/
     driver.py) where the kernel needs no scratch memory; else `compiled[grid]`, the public route."""
     launcher = compiled.run  # loads the kernel and builds the launcher, once
     if (
-        type(launcher).__name__ == "CudaLauncher"
+        TRITON_RELEASE in C_LAUNCH_TRITON
+        and type(launcher).__name__ == "CudaLauncher"
         and getattr(launcher, "global_scratch_size", None) == 0
         and getattr(launcher, "profile_scratch_size", None) == 0
         and hasattr(launcher, "launch_pdl")

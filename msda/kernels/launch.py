@@ -37,12 +37,17 @@ from .deterministic import (
     msda_sort_lists_kernel,
 )
 
-# Gluon (triton.experimental) changes its API from one release to the next: the shared tile's
-# kernel is taken on the triton it was written and measured on, and other releases go without it
-# (as does a triton without Gluon): a new one must not turn into an error at a backward's launch.
-SHARED_TILE_TRITON = "3.6"
+# The installed triton's release ("3.6"). Two things here lean on what a release does not
+# promise, so each is taken only on the releases it was checked on, and other releases run
+# slower code that is correct whatever they do (bench/NOTES.md entry 104):
+# - Gluon (triton.experimental) changes its API from one release to the next: the shared tile's
+#   kernel is taken on the triton it was written and measured on, and other releases go without
+#   it (as does a triton without Gluon): a new one must not turn into an error at a backward's launch;
+# - the lane placement's warp shuffles (`WARP_SHUFFLES`) assume the layouts Triton picks.
+TRITON_RELEASE = ".".join(triton.__version__.split(".")[:2])
+SHARED_TILE_TRITON = ("3.6",)
 msda_shared_tile_kernel = None
-if triton.__version__.split(".")[:2] == SHARED_TILE_TRITON.split("."):
+if TRITON_RELEASE in SHARED_TILE_TRITON:
     try:
         from .shared_tile import msda_shared_tile_kernel
     except Exception:  # noqa: BLE001
@@ -275,10 +280,12 @@ def lane_placement(config: TileConfig, constexprs: dict, element_size: int) -> b
     of at least a warp's threads: with fewer, Triton spreads a row's vector over more threads
     and the shuffles' lanes are no longer the row's (scripts/compile_check.py checks the
     layouts). Where it applies it takes precedence over a config's prefetch; int32 pairs apply to
-    either loop."""
+    either loop. It needs `sampling.from_lane`: warp shuffles where `WARP_SHUFFLES` allows them,
+    or the interpreter's masked sum; elsewhere (another triton release, ROCm) the config's loop runs."""
     lanes = constexprs["CHUNK"] // max(1, 16 // element_size)
     return (
         config.lane_placement
+        and (WARP_SHUFFLES or INTERPRETED)
         and constexprs["CHUNK"] == constexprs["BLOCK_D"]
         and constexprs["GROUPS"] >= 2
         and constexprs["BLOCK_Q"] * constexprs["GROUPS"] * lanes >= 32
@@ -288,9 +295,15 @@ def lane_placement(config: TileConfig, constexprs: dict, element_size: int) -> b
 
 
 # Whether the kernels may pass values between threads by PTX warp shuffles: on NVIDIA GPUs, not
-# in Triton's interpreter (CPU) or on ROCm (`sampling.from_lane` has a portable form). Read once,
-# as Triton itself decides at import whether its kernels are interpreted.
-WARP_SHUFFLES = os.environ.get("TRITON_INTERPRET") != "1" and torch.version.hip is None
+# in Triton's interpreter (CPU) or on ROCm (`sampling.from_lane` has a portable form), and only
+# with a triton whose layouts scripts/compile_check.py found as the shuffles need them (each lane
+# axis over consecutive lanes of one warp). triton 3.7.1 and 3.8.0, which PyTorch 2.12 to 2.14
+# bring, lay the presets' lane axes otherwise, some over several warps: their shuffles would pass
+# other lanes' placements, a wrong result (bench/NOTES.md entry 104). Read once, as Triton itself
+# decides at import whether its kernels are interpreted.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+SHUFFLE_LAYOUT_TRITON = ("3.6",)
+WARP_SHUFFLES = not INTERPRETED and torch.version.hip is None and TRITON_RELEASE in SHUFFLE_LAYOUT_TRITON
 
 
 @functools.lru_cache(maxsize=None)
