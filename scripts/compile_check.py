@@ -4,7 +4,7 @@ and without the softmax of the attention logits (SOFTMAX: msda::forward_softmax 
 msda::backward_softmax). No GPU needed: triton's own ptxas runs here. Run it without
 TRITON_INTERPRET (interpreted kernels cannot be compiled).
 
-    python scripts/compile_check.py [--full]
+    python scripts/compile_check.py [--full | --preset]
 
 Triton's compiler has crashed on tile shapes in one release and not in another (bench/NOTES.md,
 entries 2, 8, 10, 12): only a compile shows that, never the interpreter. The kernels' arguments
@@ -301,8 +301,12 @@ def compile_shared_tile_for_hopper() -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--full", action="store_true", help="108 (L, K, D) shapes and int64 indices too")
-    full = parser.parse_args().full
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--full", action="store_true", help="108 (L, K, D) shapes and int64 indices too")
+    modes.add_argument("--preset", action="store_true",
+                       help="the preset's shape alone, every dtype, the default flags (CI's second triton)")
+    args = parser.parse_args()
+    full, preset = args.full, args.preset
     failures = checked = 0
     if full:
         cases = list(itertools.product(FULL_SHAPES, DTYPES, (False, True), (torch.int64, torch.int32), (False, True)))
@@ -316,7 +320,11 @@ def main() -> int:
         cases = list(itertools.product(QUICK_SHAPES, DTYPES, (False,), (torch.int64,), (False,)))
         cases += [c for c in itertools.product(QUICK_SHAPES[:1], DTYPES, (False, True), (torch.int64, torch.int32),
                                                (False, True)) if c not in cases]  # fmt: skip
+    if preset:  # int64 spatial shapes, 32-bit indices, the unfused softmax: what most calls compile
+        cases = [c for c in cases if c[0] == QUICK_SHAPES[0] and c[2:] == (False, torch.int64, False)]
     timed = list(itertools.product(TIMED_SHAPES, ("float32", "bfloat16"), (False,), (torch.int64,), (False, True)))
+    if preset:
+        timed = []
     for ((levels, points, head_dim), dtype, index_64, index, softmax), is_timed in [(c, False) for c in cases] + [
         (c, True) for c in timed
     ]:
