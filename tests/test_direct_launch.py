@@ -20,6 +20,11 @@ from msda.kernels import direct  # noqa: E402
 GRID, STREAM, ARGS = (7, 1, 1), 1234, (0x7F00_0000_0000, 300, 22223, None)
 
 
+class _LoadedKernel(CompiledKernel):
+    def __del__(self):  # nothing to unload (triton 3.8's would ask the CUDA driver to)
+        pass
+
+
 def _compiled_kernel(recorded: list) -> CompiledKernel:
     """A CompiledKernel as Triton 3's CUDA backend makes one, loaded, whose C launch records its
     arguments instead of launching."""
@@ -28,7 +33,7 @@ def _compiled_kernel(recorded: list) -> CompiledKernel:
     launcher.num_ctas, launcher.launch_cooperative_grid, launcher.launch_pdl = 1, False, True
     launcher.global_scratch_size = launcher.profile_scratch_size = 0
     launcher.global_scratch_align = launcher.profile_scratch_align = 1
-    compiled = CompiledKernel.__new__(CompiledKernel)
+    compiled = _LoadedKernel.__new__(_LoadedKernel)
     compiled.module, compiled.function, compiled._run = object(), 0xF00D, launcher
     compiled.packed_metadata, compiled.name, compiled.src = (4, 1, 0), "msda_forward_kernel", None
     return compiled
