@@ -320,10 +320,9 @@ def main() -> int:
         cases = list(itertools.product(QUICK_SHAPES, DTYPES, (False,), (torch.int64,), (False,)))
         cases += [c for c in itertools.product(QUICK_SHAPES[:1], DTYPES, (False, True), (torch.int64, torch.int32),
                                                (False, True)) if c not in cases]  # fmt: skip
+    timed = list(itertools.product(TIMED_SHAPES, ("float32", "bfloat16"), (False,), (torch.int64,), (False, True)))
     if preset:  # int64 spatial shapes, 32-bit indices, the unfused softmax: what most calls compile
         cases = [c for c in cases if c[0] == QUICK_SHAPES[0] and c[2:] == (False, torch.int64, False)]
-    timed = list(itertools.product(TIMED_SHAPES, ("float32", "bfloat16"), (False,), (torch.int64,), (False, True)))
-    if preset:
         timed = []
     for ((levels, points, head_dim), dtype, index_64, index, softmax), is_timed in [(c, False) for c in cases] + [
         (c, True) for c in timed
