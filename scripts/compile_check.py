@@ -16,10 +16,16 @@ It also checks:
   functionalization does): it must name the outputs alone. Were it to name an input, compiled
   graphs would clone that input around every launch and copy the clone back over it
   (bench/NOTES.md, entry 9);
-- the warp shuffles of the kernels' lane placement (`sampling.from_lane`): they pass a value
-  from lane k of each segment of LANES consecutive lanes, so the tensor they act on must lay
-  its lane axis over exactly those lanes. Triton picks layouts itself; the check reads them
-  from the TTGIR, so that a release that picks another fails here and not with wrong results;
+- the layouts of the kernels' lane placement (`sampling.from_lane`, `launch.LANE_AXIS`): its
+  gathers along the tile's lane axis are right in any layout, but fast only where that axis lies
+  over consecutive lanes of a warp (one shuffle each, Triton's `efficient_layout`) and where the
+  tile keeps one layout through the loops (no exchange through shared memory, no barrier, in
+  them). Triton picks layouts itself, and releases break ties between axes differently (3.6
+  and 3.7 do): a release or a change that slows the loop so fails here, not in a benchmark.
+  Where the placements go by PTX shuffles instead (`launch.SHUFFLE`, triton 3.6), they pass a
+  value from lane k of each segment of LANES consecutive lanes, so the tensor they act on must
+  lay its lane axis over exactly those lanes: the check reads that from the TTGIR too, as a
+  release that picked another would give wrong results;
 - compile time: models with 8 levels or 8 points sit at L * K = 32 to 64, and a first call
   that compiles for a minute looks like a hang. Each kernel at L * K = 128 must compile within
   COMPILE_SECONDS here (a generous bound for a busy two-core machine; about 1 s on one core);
@@ -204,9 +210,27 @@ def kernel_calls(
     return calls
 
 
+def lane_placement_layout_errors(ttgir: str, ptx: str) -> list[str]:
+    """How a lane-placed kernel's layouts miss what makes it fast: a gather along the lane axis
+    that Triton could not lower to warp shuffles, or a barrier inside a loop (a layout exchanged
+    through shared memory on every turn or round)."""
+    errors = [f"a gather not warp-local: {line.strip()[:160]}" for line in ttgir.splitlines()
+              if " tt.gather " in line and "efficient_layout" not in line]  # fmt: skip
+    lines = ptx.splitlines()
+    for i, line in enumerate(lines):
+        header = re.match(r"^(\$L__BB\d+_\d+):.*Loop Header", line)
+        if header:  # the loop: from its header to its last branch back
+            back = re.compile(rf"\bbra(\.uni)?\s+{re.escape(header.group(1))};")
+            end = max((j for j in range(i, len(lines)) if back.search(lines[j])), default=i)
+            barriers = sum("bar.sync" in body for body in lines[i : end + 1])
+            if barriers:
+                errors.append(f"{barriers} barriers in the loop at {header.group(1)}")
+    return errors
+
+
 def shuffle_layout_errors(ttgir: str) -> list[str]:
-    """How the tensors of the forward's warp shuffles miss the layout they need: axis 0 (the lane
-    axis, of the segment's size) one element a thread, over the lowest lane bits of one warp."""
+    """How the tensors of the lane placement's warp shuffles miss the layout they need: axis 0 (the
+    lane axis, of the segment's size) one element a thread, over the lowest lane bits of one warp."""
     layouts = {}
     for name, body in re.findall(r"^(#blocked\d*) = #ttg\.blocked<\{(.*)\}>", ttgir, re.M):
         fields = re.findall(r"(\w+) = \[([\d, ]+)\]", body)
@@ -260,10 +284,14 @@ def compile_for_hopper(
         options = {k: v for k, v in constexprs.items() if k in LAUNCH_OPTIONS}
         compiled = triton.compile(source, target=HOPPER, options=options)
     seconds = time.perf_counter() - start
-    if constexprs.get("LANE_PLACEMENT") and constexprs.get("SHUFFLE"):
-        errors = shuffle_layout_errors(compiled.asm["ttgir"])
+    if constexprs.get("LANE_PLACEMENT"):
+        if constexprs.get("SHUFFLE"):
+            errors = shuffle_layout_errors(compiled.asm["ttgir"])
+            if errors:
+                raise AssertionError(f"{len(errors)} warp shuffles in the wrong layout: {errors[0]}")
+        errors = lane_placement_layout_errors(compiled.asm["ttgir"], compiled.asm["ptx"])
         if errors:
-            raise AssertionError(f"{len(errors)} warp shuffles in the wrong layout: {errors[0]}")
+            raise AssertionError(f"the lane placement laid out slowly ({len(errors)}): {errors[0]}")
     return seconds
 
 

@@ -4,6 +4,9 @@ are interpreted and cannot be compiled). Triton's compiler has crashed on tile s
 release and not another; CI installs the oldest triton the test group declares (3.6.0), the
 release the GPU tier ran on."""
 
+import importlib.util
+import pathlib
+
 import torch
 import torch._dynamo.testing
 
@@ -18,6 +21,25 @@ def test_kernels_compile_for_hopper(compile_check):
     text = output.read()
     assert returncode == 0, text[-8000:]
     assert "kernels compiled for sm_90" in text
+
+
+def test_layout_check_reads_gathers_and_loops(monkeypatch):
+    """compile_check's speed check of the lane placement (`lane_placement_layout_errors`) names a
+    gather Triton could not lower to shuffles and a barrier inside a loop, and nothing in a loop
+    of shuffles followed by a barrier after it (the epilogue's, which is once a program)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (the script refuses to load under it)
+    path = pathlib.Path(__file__).parents[1] / "scripts" / "compile_check.py"
+    spec = importlib.util.spec_from_file_location("compile_check", path)
+    compile_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compile_check)
+    errors = compile_check.lane_placement_layout_errors
+    loop = "$L__BB0_1:  // =>This Inner Loop Header: Depth=1\n\tshfl.sync.idx.b32 %r1, %r2, %r3, 31, -1;\n"
+    loop += "{}\t@%p1 bra $L__BB0_1;\n"
+    fast = "%g = tt.gather %x[%i] {axis = 0 : i32, efficient_layout} : (tensor<8x2x2x1xi32, #blocked1>)"
+    assert errors(fast, loop.format("") + "\tbar.sync 0;\n") == []
+    assert errors(fast, loop.format("\tbar.sync 0;\n")) == ["1 barriers in the loop at $L__BB0_1"]
+    slow = fast.replace(", efficient_layout", "")
+    assert len(errors(slow, loop.format(""))) == 1 and "not warp-local" in errors(slow, "")[0]
 
 
 def test_a_whole_row_per_load_instruction():

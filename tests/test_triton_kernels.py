@@ -32,6 +32,18 @@ def triton_backend(monkeypatch):
     monkeypatch.setattr(ops, "BACKEND", "triton")
 
 
+@pytest.fixture(params=[0, 2], ids=["lanes-first", "lanes-third"])
+def lane_axis(request, monkeypatch):
+    """Each order of the lane placement's tile (launch.LANE_AXES: the GPU takes its triton
+    release's): the same sums, whichever axis the lanes lie along."""
+    monkeypatch.setattr(launch, "LANE_AXIS", request.param)
+    launch._forward_constexprs.cache_clear()  # (keyed by the call, not by the flag)
+    launch._backward_constexprs.cache_clear()
+    yield request.param
+    launch._forward_constexprs.cache_clear()
+    launch._backward_constexprs.cache_clear()
+
+
 def check(inputs):
     grad_output = random_like_output(inputs)
     return assert_matches_reference(inputs, forward_backward(inputs, grad_output), grad_output)
@@ -357,9 +369,9 @@ def test_local_distribution():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim, points", [(6, 2), (16, 3), (32, 5), (16, 2), (32, 4)])
-def test_lane_placement(monkeypatch, dtype, head_dim, points):
+def test_lane_placement(monkeypatch, lane_axis, dtype, head_dim, points):
     """The forward whose threads each place one sample of their row and pass it to the row's other
-    threads (on a GPU by warp shuffles, here by the portable masked sum): rows of 1 to 8
+    threads (a gather along the tile's lane axis, in either order): rows of 1 to 8
     threads, one to three rounds of samples with masked ones past L * K, fewer turns than a row
     has threads where a group has fewer samples (D = 32 in float32), masked queries (16 a
     program: the tile must fill a warp); with the level sizes summed in the kernel it computes
@@ -379,7 +391,7 @@ def test_lane_placement(monkeypatch, dtype, head_dim, points):
     [(torch.float16, 32, 4), (torch.bfloat16, 32, 5), (torch.float16, 16, 3), (torch.float32, 32, 6)],
     ids=["float16-2-rounds", "bfloat16-2-rounds", "float16-3-rounds", "float32-2-rounds"],
 )
-def test_lane_placement_parameters_ahead(monkeypatch, dtype, head_dim, points):
+def test_lane_placement_parameters_ahead(monkeypatch, lane_axis, dtype, head_dim, points):
     """The lane-placed forward loading each round's sample parameters during the round before
     (`params_ahead`, the half-precision decoders' rule): two or three rounds a program, the last
     one's samples partly past L * K, masked queries; against the oracle, and the same bits as
@@ -413,9 +425,9 @@ def test_parameters_ahead_rule():
 @pytest.mark.parametrize("turns", [1, 2], ids=["turn", "two-turns"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("head_dim, points", [(6, 2), (24, 2), (16, 3), (32, 5), (32, 4)])
-def test_backward_lane_placement(monkeypatch, dtype, head_dim, points, turns):
+def test_backward_lane_placement(monkeypatch, lane_axis, dtype, head_dim, points, turns):
     """The backward whose threads each place one sample of their row, pass it to the row's other
-    threads (on a GPU by warp shuffles, here by the portable masked sum) and keep their own
+    threads (a gather along the tile's lane axis, in either order) and keep their own
     sample's corner dots: rows of 2 to 8 threads (one of them masked at D = 24), one or two
     rounds of samples with masked ones past L * K, fewer turns than a row has threads (D = 32 in
     float32 at K = 4), masked queries, the corners packed into the row offsets (D of 16 and 32)
@@ -508,33 +520,35 @@ def test_backward_lane_placement_rule():
     assert lists[2]["COUNT_STRIDE"] and not lists[2]["LANE_PLACEMENT"]
 
 
-def test_lane_placement_needs_checked_warp_shuffles():
-    """Outside the interpreter the lane placement runs only where its warp shuffles may (launch.
-    WARP_SHUFFLES: NVIDIA GPUs, with a triton whose layouts scripts/compile_check.py found as
-    they need, 3.6): under another release (3.7 and 3.8 lay them otherwise) or on ROCm each
-    config's own loop runs, forward and backward."""
-    assert launch.WARP_SHUFFLES == (
-        not launch.INTERPRETED and torch.version.hip is None and launch.TRITON_RELEASE in launch.SHUFFLE_LAYOUT_TRITON
-    )
+def test_lane_placement_needs_a_checked_triton():
+    """Outside the interpreter the lane placement runs on the triton releases whose layouts
+    scripts/compile_check.py read (launch.LANE_AXES: 3.6 with the lane axis first, 3.7 and 3.8
+    third), on NVIDIA GPUs: under another release or on ROCm each config's own loop runs, forward
+    and backward. The interpreter takes it with the installed release's order, or the newest, and
+    gathers; PTX shuffles pass the placements on 3.6 alone (launch.SHUFFLE)."""
+    assert launch.LANE_AXES == {"3.6": 0, "3.7": 2, "3.8": 2}
+    if launch.INTERPRETED:
+        assert launch.LANE_AXIS == launch.LANE_AXES.get(launch.TRITON_RELEASE, 2) and not launch.SHUFFLE
+    elif torch.version.hip is None:
+        assert launch.LANE_AXIS == launch.LANE_AXES.get(launch.TRITON_RELEASE)
+        assert launch.SHUFFLE == (launch.TRITON_RELEASE in launch.SHUFFLE_TRITON)
     decoder = Shape(batch=2, queries=3, heads=2, head_dim=32, levels=((5, 6), (3, 2), (1, 1)), points=4)
     inputs = make_inputs(decoder, torch.float32, "cpu", seed=87)
     grad_output = random_like_output(inputs)
 
-    def placed(interpreted: bool, shuffles: bool) -> tuple[bool, bool]:
+    def placed(lane_axis) -> list:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(launch, "INTERPRETED", interpreted)
-            patch.setattr(launch, "WARP_SHUFFLES", shuffles)
-            launch._forward_constexprs.cache_clear()  # (keyed by the call, not by these flags)
+            patch.setattr(launch, "LANE_AXIS", lane_axis)
+            launch._forward_constexprs.cache_clear()  # (keyed by the call, not by this flag)
             launch._backward_constexprs.cache_clear()
             forward = launch.forward_call(*inputs.args(), torch.empty(0))[2]
             backward = backward_constexprs(inputs, grad_output)
         launch._forward_constexprs.cache_clear()
         launch._backward_constexprs.cache_clear()
-        return forward["LANE_PLACEMENT"], backward["LANE_PLACEMENT"]
+        return [(c["LANE_PLACEMENT"], c["LANE_AXIS"]) for c in (forward, backward)]
 
-    assert placed(interpreted=True, shuffles=False) == (True, True)  # from_lane's masked sum
-    assert placed(interpreted=False, shuffles=True) == (True, True)
-    assert placed(interpreted=False, shuffles=False) == (False, False)
+    assert placed(0) == [(True, 0)] * 2 and placed(2) == [(True, 2)] * 2
+    assert [lane_placed for lane_placed, _ in placed(None)] == [False, False]
 
 
 def backward_constexprs(inputs, grad_output) -> dict:

@@ -7,7 +7,15 @@ import triton
 import triton.language as tl
 
 from .deterministic import rank_as_float
-from .sampling import finite_or_nan, from_lane, level_ok, place_sample, placed_corner_rows, softmax_stats
+from .sampling import (
+    finite_or_nan,
+    from_lane,
+    lane_tile,
+    level_ok,
+    place_sample,
+    placed_corner_rows,
+    softmax_stats,
+)
 
 
 # Sizes and strides vary with the image: not specialized (see forward.py).
@@ -56,7 +64,8 @@ def msda_backward_kernel(
     COUNT_STRIDE: tl.constexpr,  # > 0: count each sample into its list, counters this many int32 apart
     TILE_PIXELS: tl.constexpr,  # > 0: the last level's adds are shared_tile.py's where it has at most this many pixels
     LANE_PLACEMENT: tl.constexpr,  # each sample placed by one thread of its row (launch.backward_lane_placement)
-    SHUFFLE: tl.constexpr,  # with LANE_PLACEMENT: pass placements by warp shuffles (CUDA), see sampling.from_lane
+    LANE_AXIS: tl.constexpr,  # with LANE_PLACEMENT: the tile's lane axis, 0 or 2 (sampling.lane_tile)
+    SHUFFLE: tl.constexpr,  # with LANE_PLACEMENT: placements passed by PTX shuffles, not gathers (sampling.from_lane)
     LANE_UNROLL: tl.constexpr,  # with LANE_PLACEMENT: turns a loop step (1 or 2)
     FOLD_PIXELS: tl.constexpr,  # > 0 (with REPLICAS): the replicas folded here, this many pixels a step (see the end)
     FOLD_UNROLL: tl.constexpr,  # with FOLD_PIXELS: replicas' loads issued together
@@ -84,8 +93,8 @@ def msda_backward_kernel(
         # keeps its sample's four corner dots, and after the turns each thread works out and
         # stores its own sample's gradients: the step loop below places, loads the parameters
         # of and stores the gradients of every sample in each of its row's threads.
-        # The tile is the forward's, [LANES, GROUPS, BLOCK_Q, VECTOR] (its lane axis over
-        # consecutive lanes of a warp, scripts/compile_check.py checks it).
+        # The tile is the forward's (sampling.lane_tile: its lane axis over consecutive lanes of
+        # a warp, scripts/compile_check.py checks it).
         tl.static_assert(CHUNK == BLOCK_D, "LANE_PLACEMENT reads a row with one load a thread")
         tl.static_assert(LANE_UNROLL == 1 or LANE_UNROLL == 2, "the backward takes one or two turns a step")
         VECTOR: tl.constexpr = 128 // value_ptr.dtype.element_ty.primitive_bitwidth  # elements in 16 bytes
@@ -96,17 +105,15 @@ def msda_backward_kernel(
         ROW: tl.constexpr = NUM_HEADS * HEAD_DIM
         PACK_CORNERS: tl.constexpr = HEAD_DIM % 16 == 0  # the corners ride in the row offset's low bits
         ACCUMULATOR = grad_value_ptr.dtype.element_ty
-        lane = tl.arange(0, LANES)[:, None, None, None]
-        group = tl.arange(0, GROUPS)[None, :, None, None]
-        query = q[None, None, :, None]
+        lane, group, query = lane_tile(q, LANES, GROUPS, LANE_AXIS)
         channel = lane * VECTOR + tl.arange(0, VECTOR)[None, None, None, :]
         d_ok = channel < HEAD_DIM
         grad_out = tl.load(
             grad_out_ptr + b * grad_out_stride_b + query * grad_out_stride_q + m * HEAD_DIM + channel,
             mask=(query < num_queries) & d_ok,
             other=0.0,
-        ).to(tl.float32)  # [LANES, 1, BLOCK_Q, VECTOR]
-        first_param = ((b * num_queries + query) * NUM_HEADS + m) * SAMPLES  # [1, 1, BLOCK_Q, 1]
+        ).to(tl.float32)  # one a (lane, query)
+        first_param = ((b * num_queries + query) * NUM_HEADS + m) * SAMPLES  # one a query
         # Programs start at another level and wrap round, as in the step loop (it says why).
         first_level = q_block % NUM_LEVELS
         if REPLICAS:
@@ -133,7 +140,7 @@ def msda_backward_kernel(
                 if not LEVEL_STARTS:
                     level_start += level_h * level_w
         for r in tl.range(0, ROUNDS):
-            sample = group + GROUPS * (lane + LANES * r)  # [LANES, GROUPS, 1, 1]
+            sample = group + GROUPS * (lane + LANES * r)  # one a (lane, group)
             ok = (sample < SAMPLES) & (query < num_queries)
             level = (tl.where(sample < SAMPLES, sample // NUM_POINTS, 0) + first_level) % NUM_LEVELS
             h = tl.load(shapes_ptr + 2 * level).to(b.dtype)
@@ -147,7 +154,9 @@ def msda_backward_kernel(
                     size *= tl.load(shapes_ptr + 2 * before + 1).to(b.dtype)
                     start += tl.where(before < level, size, 0)
             param = first_param + level * NUM_POINTS + sample % NUM_POINTS
-            attn = finite_or_nan(tl.load(attn_ptr + param, mask=ok, other=0.0).to(tl.float32))
+            # The weights' offsets through a select, as in the forward's _own_sample_params (it says why).
+            weight = tl.where(ok, param, 0)
+            attn = finite_or_nan(tl.load(attn_ptr + weight, mask=ok, other=0.0).to(tl.float32))
             x = tl.load(loc_ptr + 2 * param, mask=ok, other=0.0)
             y = tl.load(loc_ptr + 2 * param + 1, mask=ok, other=0.0)
             row, below, corners, fx, fy = placed_corner_rows(
@@ -164,7 +173,7 @@ def msda_backward_kernel(
             # (the step loop says why the loads come first).
             for k in tl.range(0, TURNS, LANE_UNROLL):
                 top_row, bottom_row, inside, w_tl, w_tr, w_bl, w_br = _lane_turn(
-                    row, below, corners, a_top, a_bottom, fx, k, lane, channel, True, HEAD_DIM, LANES, PACK_CORNERS,
+                    row, below, corners, a_top, a_bottom, fx, k, channel, True, HEAD_DIM, PACK_CORNERS, LANE_AXIS,
                     SHUFFLE,
                 )  # fmt: skip
                 accumulator = grad_value_ptr  # where turn k's adds go: grad_value, or its level's replica
@@ -183,8 +192,8 @@ def msda_backward_kernel(
                                eviction_policy=VALUE_EVICTION)  # fmt: skip
                 if LANE_UNROLL == 2:  # the second turn: none past the last
                     top_row_2, bottom_row_2, inside_2, w_tl_2, w_tr_2, w_bl_2, w_br_2 = _lane_turn(
-                        row, below, corners, a_top, a_bottom, fx, k + 1, lane, channel, k + 1 < TURNS, HEAD_DIM,
-                        LANES, PACK_CORNERS, SHUFFLE,
+                        row, below, corners, a_top, a_bottom, fx, k + 1, channel, k + 1 < TURNS, HEAD_DIM,
+                        PACK_CORNERS, LANE_AXIS, SHUFFLE,
                     )  # fmt: skip
                     accumulator_2 = grad_value_ptr
                     if REPLICAS:
@@ -219,20 +228,20 @@ def msda_backward_kernel(
                                   mask=((inside_2 & 8) != 0) & d_ok, sem="relaxed")  # fmt: skip
                 # Each dot summed over the row's threads, then kept by lane k.
                 mine = lane == k
-                dot_tl = tl.where(mine, _row_dot(v_tl, grad_out), dot_tl)
-                dot_tr = tl.where(mine, _row_dot(v_tr, grad_out), dot_tr)
-                dot_bl = tl.where(mine, _row_dot(v_bl, grad_out), dot_bl)
-                dot_br = tl.where(mine, _row_dot(v_br, grad_out), dot_br)
+                dot_tl = tl.where(mine, _row_dot(v_tl, grad_out, LANE_AXIS), dot_tl)
+                dot_tr = tl.where(mine, _row_dot(v_tr, grad_out, LANE_AXIS), dot_tr)
+                dot_bl = tl.where(mine, _row_dot(v_bl, grad_out, LANE_AXIS), dot_bl)
+                dot_br = tl.where(mine, _row_dot(v_br, grad_out, LANE_AXIS), dot_br)
                 if LANE_UNROLL == 2:
                     mine = lane == k + 1
-                    dot_tl = tl.where(mine, _row_dot(v_tl_2, grad_out), dot_tl)
-                    dot_tr = tl.where(mine, _row_dot(v_tr_2, grad_out), dot_tr)
-                    dot_bl = tl.where(mine, _row_dot(v_bl_2, grad_out), dot_bl)
-                    dot_br = tl.where(mine, _row_dot(v_br_2, grad_out), dot_br)
+                    dot_tl = tl.where(mine, _row_dot(v_tl_2, grad_out, LANE_AXIS), dot_tl)
+                    dot_tr = tl.where(mine, _row_dot(v_tr_2, grad_out, LANE_AXIS), dot_tr)
+                    dot_bl = tl.where(mine, _row_dot(v_bl_2, grad_out, LANE_AXIS), dot_bl)
+                    dot_br = tl.where(mine, _row_dot(v_br_2, grad_out, LANE_AXIS), dot_br)
             grad_attn = (1.0 - fy) * ((1.0 - fx) * dot_tl + fx * dot_tr) + fy * ((1.0 - fx) * dot_bl + fx * dot_br)
             grad_x = ((1.0 - fy) * (dot_tr - dot_tl) + fy * (dot_br - dot_bl)) * attn * w.to(tl.float32)
             grad_y = ((1.0 - fx) * (dot_bl - dot_tl) + fx * (dot_br - dot_tr)) * attn * h.to(tl.float32)
-            tl.store(grad_attn_ptr + param, grad_attn.to(grad_attn_ptr.dtype.element_ty), mask=ok)
+            tl.store(grad_attn_ptr + weight, grad_attn.to(grad_attn_ptr.dtype.element_ty), mask=ok)
             tl.store(grad_loc_ptr + 2 * param, grad_x.to(grad_loc_ptr.dtype.element_ty), mask=ok)
             tl.store(grad_loc_ptr + 2 * param + 1, grad_y.to(grad_loc_ptr.dtype.element_ty), mask=ok)
     else:
@@ -531,28 +540,28 @@ def msda_backward_kernel(
 
 @triton.jit
 def _lane_turn(
-    row, below, corners, a_top, a_bottom, fx, k, lane, channel, valid,
-    HEAD_DIM: tl.constexpr, LANES: tl.constexpr, PACK_CORNERS: tl.constexpr, SHUFFLE: tl.constexpr,
+    row, below, corners, a_top, a_bottom, fx, k, channel, valid,
+    HEAD_DIM: tl.constexpr, PACK_CORNERS: tl.constexpr, LANE_AXIS: tl.constexpr, SHUFFLE: tl.constexpr,
 ):  # fmt: skip
     """Lane k's sample as each thread of its row takes it in turn k of the lane placement: the
     element offsets of its top and bottom corner rows at the thread's `channel`s, which corners
     are inside (bits 1, 2, 4 and 8: top left, top right, bottom left, bottom right; none where
     not `valid`) and the four corners' weights. Takes no pointers (sampling.py says why)."""
     if PACK_CORNERS:
-        inside = from_lane(row, k, lane, LANES, SHUFFLE)
+        inside = from_lane(row, k, LANE_AXIS, SHUFFLE)
         # Multiples of 16, said so (`& -16` holds the hint: on a shuffle's result Triton drops
         # it), or Triton would not vectorize the loads and adds.
         top_row = tl.multiple_of(inside & -16, [16, 16, 16, 16]) + channel
-        bottom_row = from_lane(below, k, lane, LANES, SHUFFLE)
+        bottom_row = from_lane(below, k, LANE_AXIS, SHUFFLE)
         bottom_row = tl.multiple_of(bottom_row & -16, [16, 16, 16, 16]) + channel
     else:
-        inside = from_lane(corners, k, lane, LANES, SHUFFLE)
-        top_row = from_lane(row, k, lane, LANES, SHUFFLE) * HEAD_DIM + channel
-        bottom_row = from_lane(below, k, lane, LANES, SHUFFLE) * HEAD_DIM + channel
+        inside = from_lane(corners, k, LANE_AXIS, SHUFFLE)
+        top_row = from_lane(row, k, LANE_AXIS, SHUFFLE) * HEAD_DIM + channel
+        bottom_row = from_lane(below, k, LANE_AXIS, SHUFFLE) * HEAD_DIM + channel
     inside = tl.where(valid, inside, 0)
-    a_top_k = from_lane(a_top, k, lane, LANES, SHUFFLE)
-    a_bottom_k = from_lane(a_bottom, k, lane, LANES, SHUFFLE)
-    fx_k = from_lane(fx, k, lane, LANES, SHUFFLE)
+    a_top_k = from_lane(a_top, k, LANE_AXIS, SHUFFLE)
+    a_bottom_k = from_lane(a_bottom, k, LANE_AXIS, SHUFFLE)
+    fx_k = from_lane(fx, k, LANE_AXIS, SHUFFLE)
     return (
         top_row, bottom_row, inside,
         a_top_k * (1.0 - fx_k), a_top_k * fx_k, a_bottom_k * (1.0 - fx_k), a_bottom_k * fx_k,
@@ -574,14 +583,17 @@ def _turn_accumulator(
     for each in tl.static_range(NUM_LEVELS):
         shift = tl.where(level == each, shifts[each], shift)
         to_replica = tl.where(level == each, redirected[each], to_replica)
-    return tl.where(to_replica, replica_ptr + shift, grad_value_ptr)
+    # Both start on 16 bytes (`grad_value_buffer`), and shift is in whole rows of 16-byte vectors
+    # (the lane placement's rows are): said so, as triton 3.7 and 3.8 lose it through the select
+    # and add element by element, each add a scalar atomic (3.6 keeps it: v4 / v8 atomics).
+    return tl.multiple_of(tl.where(to_replica, replica_ptr + shift, grad_value_ptr), [16, 16, 16, 16])
 
 
 @triton.jit
-def _row_dot(rows, grad_out):
-    """Each row of [LANES, GROUPS, BLOCK_Q, VECTOR] `rows` (a row's channels over its LANES threads)
-    dotted with grad_out, in float32: [1, GROUPS, BLOCK_Q, 1], the sum in every thread of the row."""
-    return tl.sum(tl.sum(rows.to(tl.float32) * grad_out, axis=3, keep_dims=True), axis=0, keep_dims=True)
+def _row_dot(rows, grad_out, LANE_AXIS: tl.constexpr):
+    """Each row of the lane placement's tile `rows` (a row's channels over its LANES threads:
+    sampling.lane_tile) dotted with grad_out, in float32, the sum in every thread of the row."""
+    return tl.sum(tl.sum(rows.to(tl.float32) * grad_out, axis=3, keep_dims=True), axis=LANE_AXIS, keep_dims=True)
 
 
 @triton.jit

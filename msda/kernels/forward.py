@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .sampling import finite_or_nan, from_lane, level_ok, place_sample, placed_corner_rows
+from .sampling import finite_or_nan, from_lane, lane_tile, level_ok, place_sample, placed_corner_rows
 
 
 @triton.jit
@@ -49,7 +49,10 @@ def _own_sample_params(loc_ptr, attn_ptr, param, ok):
     """The weight and (x, y) of each thread's own sample at `param` (0 where not `ok`), as
     loaded: no arithmetic on them here, so that loads issued a round ahead are not waited on
     where they are issued."""
-    attn = tl.load(attn_ptr + param, mask=ok, other=0.0)
+    # The weights' offsets through a select: consecutive groups' weights are adjacent, and where
+    # Triton sees that it loads them in a layout of their own and, on 3.7 and 3.8, exchanges
+    # them into the tile's through shared memory every round (bench/NOTES.md entry 105).
+    attn = tl.load(attn_ptr + tl.where(ok, param, 0), mask=ok, other=0.0)
     x = tl.load(loc_ptr + 2 * param, mask=ok, other=0.0)
     y = tl.load(loc_ptr + 2 * param + 1, mask=ok, other=0.0)
     return attn, x, y
@@ -252,36 +255,37 @@ def _lane_placed_samples(
     LANES: tl.constexpr,
     VECTOR: tl.constexpr,
     LEVEL_STARTS: tl.constexpr,
+    LANE_AXIS: tl.constexpr,
     SHUFFLE: tl.constexpr,
     LANE_UNROLL: tl.constexpr,
     BF16_PAIRS: tl.constexpr,
     PARAMS_AHEAD: tl.constexpr,
 ):
-    """The weighed sum of every sample of each (group, query), [LANES, GROUPS, BLOCK_Q, VECTOR]
-    (channel lane * VECTOR + element), and a placeholder; with BF16_PAIRS the sums of the pairs'
-    low and high elements, [LANES, GROUPS, BLOCK_Q, VECTOR // 2] each (channel lane * VECTOR + 2 *
-    pair + 0 or 1: see `_bf16_pairs`). Each sample is placed once: the LANES threads that read a
-    value row each place one sample of their row's query, then take turns, every thread of the
-    row reading the corners of lane k's sample with its placement passed by `sampling.from_lane`. The
-    other loop places every sample in each of the row's threads: most of its instructions
-    (bench/NOTES.md, entry 26). The lane axis comes first: Triton gives threads to the
-    contiguous element axis, then to the others in axis order, so the LANES threads of a row
-    are consecutive lanes of a warp, as the shuffle needs. PARAMS_AHEAD: each round's sample
-    parameters are loaded during the round before (a program's first round still waits for its
-    own), so that a program of several rounds waits for them once."""
+    """The weighed sum of every sample of each (group, query) in the tile of `sampling.lane_tile`
+    (lane, group and query along their axes, channel lane * VECTOR + element along the last),
+    and a placeholder; with BF16_PAIRS the sums of the pairs' low and high elements, VECTOR // 2
+    along the last axis each (channel lane * VECTOR + 2 * pair + 0 or 1: see `_bf16_pairs`).
+    Each sample is placed once: the LANES threads that read a value row each place one sample of
+    their row's query, then take turns, every thread of the row reading the corners of lane k's
+    sample with its placement passed by `sampling.from_lane`. The other loop places every sample
+    in each of the row's threads: most of its instructions (bench/NOTES.md, entry 26). The lane
+    axis is the one the release lays over consecutive lanes of a warp (`launch.LANE_AXIS`).
+    PARAMS_AHEAD: each round's sample parameters are loaded during the round before (a
+    program's first round still waits for its own), so that a program of several rounds waits
+    for them once."""
     SAMPLES: tl.constexpr = NUM_LEVELS * NUM_POINTS
     ROUNDS: tl.constexpr = (SAMPLES + GROUPS * LANES - 1) // (GROUPS * LANES)
     # Turns a round: fewer than LANES where a group has fewer samples than its row has threads
     # (4 groups of 4 samples at float32's 8 lanes), so no turn reads only masked corners.
     TURNS: tl.constexpr = min(LANES, (SAMPLES + GROUPS - 1) // GROUPS)
-    lane = tl.arange(0, LANES)[:, None, None, None]
-    group = tl.arange(0, GROUPS)[None, :, None, None]
-    q = q[None, None, :, None]
-    first_param = ((b * num_queries + q) * NUM_HEADS + m) * SAMPLES  # [1, 1, BLOCK_Q, 1]
+    BLOCK_Q: tl.constexpr = q.shape[0]
+    TILE: tl.constexpr = [LANES, GROUPS, BLOCK_Q] if LANE_AXIS == 0 else [GROUPS, BLOCK_Q, LANES]
+    lane, group, q = lane_tile(q, LANES, GROUPS, LANE_AXIS)
+    first_param = ((b * num_queries + q) * NUM_HEADS + m) * SAMPLES  # one a query
     if BF16_PAIRS:  # offsets in int32 pairs of elements
         ELEMENTS: tl.constexpr = 2
         pairs_ptr = value_ptr.to(tl.pointer_type(tl.int32))
-        acc_high = tl.zeros([LANES, GROUPS, q.shape[2], VECTOR // 2], dtype=tl.float32)
+        acc_high = tl.zeros([TILE[0], TILE[1], TILE[2], VECTOR // 2], dtype=tl.float32)
     else:
         ELEMENTS: tl.constexpr = 1
         acc_high = tl.zeros([1], dtype=tl.float32)  # unused
@@ -292,7 +296,7 @@ def _lane_placed_samples(
     # Where the groups divide a level's points, lane k's sample in turn k of round r is of level
     # (k + LANES * r) // (NUM_POINTS // GROUPS) in every group: the same for each thread.
     LEVEL_OF_TURN: tl.constexpr = PACK_CORNERS and NUM_POINTS % GROUPS == 0
-    acc = tl.zeros([LANES, GROUPS, q.shape[2], VECTOR // ELEMENTS], dtype=tl.float32)
+    acc = tl.zeros([TILE[0], TILE[1], TILE[2], VECTOR // ELEMENTS], dtype=tl.float32)
     if PARAMS_AHEAD:
         first = group + GROUPS * lane
         next_attn, next_x, next_y = _own_sample_params(
@@ -303,7 +307,7 @@ def _lane_placed_samples(
     for r in tl.range(0, ROUNDS):
         # Lane j of group g places sample g + GROUPS * (j + LANES * r): strided across the lanes,
         # so that each thread loads its own parameters rather than a vector of its neighbours'.
-        sample = group + GROUPS * (lane + LANES * r)  # [LANES, GROUPS, 1, 1]
+        sample = group + GROUPS * (lane + LANES * r)  # one a (lane, group)
         ok = (sample < SAMPLES) & (q < num_queries)
         level = tl.where(sample < SAMPLES, sample // NUM_POINTS, 0)
         h = tl.load(shapes_ptr + 2 * level).to(b.dtype)
@@ -324,7 +328,8 @@ def _lane_placed_samples(
             )
         else:  # (inline, not `_own_sample_params`: so these configs compile as they did, entry 69)
             param = first_param + sample
-            attn = finite_or_nan(tl.load(attn_ptr + param, mask=ok, other=0.0).to(tl.float32))
+            attn = tl.load(attn_ptr + tl.where(ok, param, 0), mask=ok, other=0.0)  # (as _own_sample_params)
+            attn = finite_or_nan(attn.to(tl.float32))
             x = tl.load(loc_ptr + 2 * param, mask=ok, other=0.0)
             y = tl.load(loc_ptr + 2 * param + 1, mask=ok, other=0.0)
         # Offsets in elements, or pairs (int32: the lane placement has 32-bit indices only).
@@ -340,7 +345,7 @@ def _lane_placed_samples(
         # attn_bottom and fx (entry 30), and the levels' widths sit in uniform registers.
         for k in tl.range(0, TURNS, loop_unroll_factor=LANE_UNROLL):
             if PACK_CORNERS:
-                inside = from_lane(row, k, lane, LANES, SHUFFLE)
+                inside = from_lane(row, k, LANE_AXIS, SHUFFLE)
                 # Multiples of 16, said so (`& -16` holds the hint: on a shuffle's result Triton
                 # drops it), or Triton would not vectorize the loads.
                 top_row = tl.multiple_of(inside & -16, [16, 16, 16, 16]) + channel
@@ -351,15 +356,15 @@ def _lane_placed_samples(
                         width = tl.where(level_k == other, tl.load(shapes_ptr + 2 * other + 1).to(b.dtype), width)
                     bottom_row = top_row + width * ROW
                 else:
-                    bottom_row = from_lane(below, k, lane, LANES, SHUFFLE)
+                    bottom_row = from_lane(below, k, LANE_AXIS, SHUFFLE)
                     bottom_row = tl.multiple_of(bottom_row & -16, [16, 16, 16, 16]) + channel
             else:
-                top_row = from_lane(row, k, lane, LANES, SHUFFLE) * (HEAD_DIM // ELEMENTS) + channel
-                bottom_row = from_lane(below, k, lane, LANES, SHUFFLE) * (HEAD_DIM // ELEMENTS) + channel
-                inside = from_lane(corners, k, lane, LANES, SHUFFLE)
-            a_top = from_lane(attn_top, k, lane, LANES, SHUFFLE)
-            a_bottom = from_lane(attn_bottom, k, lane, LANES, SHUFFLE)
-            fx_k = from_lane(fx, k, lane, LANES, SHUFFLE)
+                top_row = from_lane(row, k, LANE_AXIS, SHUFFLE) * (HEAD_DIM // ELEMENTS) + channel
+                bottom_row = from_lane(below, k, LANE_AXIS, SHUFFLE) * (HEAD_DIM // ELEMENTS) + channel
+                inside = from_lane(corners, k, LANE_AXIS, SHUFFLE)
+            a_top = from_lane(attn_top, k, LANE_AXIS, SHUFFLE)
+            a_bottom = from_lane(attn_bottom, k, LANE_AXIS, SHUFFLE)
+            fx_k = from_lane(fx, k, LANE_AXIS, SHUFFLE)
             w_tl = a_top * (1.0 - fx_k)
             w_tr = a_top * fx_k
             w_bl = a_bottom * (1.0 - fx_k)
@@ -417,7 +422,8 @@ def msda_forward_kernel(
     PREFETCH: tl.constexpr,  # load each step's parameters one step ahead
     BF16_PAIRS: tl.constexpr,  # bfloat16 value read as int32 pairs (even HEAD_DIM): see _bf16_pairs
     LANE_PLACEMENT: tl.constexpr,  # each sample placed by one thread of its row: _lane_placed_samples
-    SHUFFLE: tl.constexpr,  # with LANE_PLACEMENT: pass placements by warp shuffles (CUDA), see sampling.from_lane
+    LANE_AXIS: tl.constexpr,  # with LANE_PLACEMENT: the tile's lane axis, 0 or 2 (sampling.lane_tile)
+    SHUFFLE: tl.constexpr,  # with LANE_PLACEMENT: placements passed by PTX shuffles, not gathers (sampling.from_lane)
     LANE_UNROLL: tl.constexpr,  # with LANE_PLACEMENT: the row's turns unrolled this many at a time
     PARAMS_AHEAD: tl.constexpr,  # with LANE_PLACEMENT: each round's sample parameters loaded a round ahead
 ):
@@ -440,17 +446,21 @@ def msda_forward_kernel(
         LANES: tl.constexpr = CHUNK // VECTOR
         acc, acc_high = _lane_placed_samples(
             value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr, b, m, q, num_queries, num_values, NUM_HEADS,
-            HEAD_DIM, NUM_LEVELS, NUM_POINTS, GROUPS, LANES, VECTOR, LEVEL_STARTS, SHUFFLE, LANE_UNROLL, BF16_PAIRS,
-            PARAMS_AHEAD,
+            HEAD_DIM, NUM_LEVELS, NUM_POINTS, GROUPS, LANES, VECTOR, LEVEL_STARTS, LANE_AXIS, SHUFFLE, LANE_UNROLL,
+            BF16_PAIRS, PARAMS_AHEAD,
         )  # fmt: skip
-        out = tl.sum(acc, axis=1)  # [LANES, BLOCK_Q, VECTOR], or its pairs' low elements
+        # The groups summed, the tile's other axes kept: each thread stores its own vector.
+        GROUP_AXIS: tl.constexpr = 1 if LANE_AXIS == 0 else 0
+        out = tl.sum(acc, axis=GROUP_AXIS, keep_dims=True)  # or the pairs' low elements
         if BF16_PAIRS:  # the pairs interleaved again
-            out = tl.reshape(tl.join(out, tl.sum(acc_high, axis=1)), [LANES, BLOCK_Q, VECTOR])
-        out_channel = tl.arange(0, LANES)[:, None, None] * VECTOR + tl.arange(0, VECTOR)[None, None, :]
+            high = tl.sum(acc_high, axis=GROUP_AXIS, keep_dims=True)
+            out = tl.reshape(tl.join(out, high), [out.shape[0], out.shape[1], out.shape[2], VECTOR])
+        lane, _, query = lane_tile(q, LANES, 1, LANE_AXIS)
+        out_channel = lane * VECTOR + tl.arange(0, VECTOR)[None, None, None, :]
         tl.store(
-            out_ptr + out_row[None, :, None] * HEAD_DIM + out_channel,
+            out_ptr + ((b * num_queries + query) * NUM_HEADS + m) * HEAD_DIM + out_channel,
             out.to(out_ptr.dtype.element_ty),
-            mask=(q < num_queries)[None, :, None] & (out_channel < HEAD_DIM),
+            mask=(query < num_queries) & (out_channel < HEAD_DIM),
         )
     else:
         q_ok = (q < num_queries)[None, :]

@@ -43,7 +43,7 @@ from .deterministic import (
 # - Gluon (triton.experimental) changes its API from one release to the next: the shared tile's
 #   kernel is taken on the triton it was written and measured on, and other releases go without
 #   it (as does a triton without Gluon): a new one must not turn into an error at a backward's launch;
-# - the lane placement's warp shuffles (`WARP_SHUFFLES`) assume the layouts Triton picks.
+# - the lane placement's speed rests on the layouts Triton picks (`LANE_AXIS`).
 TRITON_RELEASE = ".".join(triton.__version__.split(".")[:2])
 SHARED_TILE_TRITON = ("3.6",)
 msda_shared_tile_kernel = None
@@ -280,12 +280,12 @@ def lane_placement(config: TileConfig, constexprs: dict, element_size: int) -> b
     of at least a warp's threads: with fewer, Triton spreads a row's vector over more threads
     and the shuffles' lanes are no longer the row's (scripts/compile_check.py checks the
     layouts). Where it applies it takes precedence over a config's prefetch; int32 pairs apply to
-    either loop. It needs `sampling.from_lane`: warp shuffles where `WARP_SHUFFLES` allows them,
-    or the interpreter's masked sum; elsewhere (another triton release, ROCm) the config's loop runs."""
+    either loop. It is taken on NVIDIA GPUs with a triton release in `LANE_AXIS` and in the
+    interpreter; elsewhere (another release, ROCm) the config's loop runs."""
     lanes = constexprs["CHUNK"] // max(1, 16 // element_size)
     return (
         config.lane_placement
-        and (WARP_SHUFFLES or INTERPRETED)
+        and LANE_AXIS is not None
         and constexprs["CHUNK"] == constexprs["BLOCK_D"]
         and constexprs["GROUPS"] >= 2
         and constexprs["BLOCK_Q"] * constexprs["GROUPS"] * lanes >= 32
@@ -294,16 +294,26 @@ def lane_placement(config: TileConfig, constexprs: dict, element_size: int) -> b
     )
 
 
-# Whether the kernels may pass values between threads by PTX warp shuffles: on NVIDIA GPUs, not
-# in Triton's interpreter (CPU) or on ROCm (`sampling.from_lane` has a portable form), and only
-# with a triton whose layouts scripts/compile_check.py found as the shuffles need them (each lane
-# axis over consecutive lanes of one warp). triton 3.7.1 and 3.8.0, which PyTorch 2.12 to 2.14
-# bring, lay the presets' lane axes otherwise, some over several warps: their shuffles would pass
-# other lanes' placements, a wrong result (bench/NOTES.md entry 104). Read once, as Triton itself
-# decides at import whether its kernels are interpreted.
+# The lane placement passes each sample's placement round its row with a gather along the tile's
+# lane axis (`sampling.from_lane`): right in any layout, one warp shuffle where that axis lies
+# over consecutive lanes of a warp. Which tile order gets that layout hangs on how a release
+# breaks ties between equally contiguous axes: 3.6 puts the first axis next to the contiguous
+# one, 3.7 and 3.8 the one before it, so the lanes go first on 3.6 and third on 3.7 and 3.8
+# (`sampling.lane_tile`; scripts/compile_check.py reads the layouts, bench/NOTES.md entry 105).
+# On 3.6 the placements go by PTX shuffles (`SHUFFLE`), as before entry 105: it lowers a gather
+# across all 32 lanes (rows of 128 float32) through shared memory, and compile_check checks the
+# shuffles' layout there. A release not listed runs each config's own loop, whose speed does not
+# hang on its layouts; so does ROCm, where the lane placement was never measured. The
+# interpreter (CPU) takes it, with gathers. Read once, as Triton itself decides at import
+# whether its kernels are interpreted.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-SHUFFLE_LAYOUT_TRITON = ("3.6",)
-WARP_SHUFFLES = not INTERPRETED and torch.version.hip is None and TRITON_RELEASE in SHUFFLE_LAYOUT_TRITON
+LANE_AXES = {"3.6": 0, "3.7": 2, "3.8": 2}
+SHUFFLE_TRITON = ("3.6",)
+if INTERPRETED:  # either order is right there: the installed release's, else the newest
+    LANE_AXIS = LANE_AXES.get(TRITON_RELEASE, 2)
+else:
+    LANE_AXIS = None if torch.version.hip is not None else LANE_AXES.get(TRITON_RELEASE)
+SHUFFLE = LANE_AXIS == 0 and not INTERPRETED and TRITON_RELEASE in SHUFFLE_TRITON
 
 
 @functools.lru_cache(maxsize=None)
@@ -423,7 +433,11 @@ def _forward_constexprs(
         PREFETCH=bool(config.prefetch),
     )
     # Where the lane placement does not apply, the config's other settings choose the loop.
-    constexprs.update(LANE_PLACEMENT=lane_placement(config, constexprs, dtype.itemsize), SHUFFLE=WARP_SHUFFLES)
+    constexprs.update(
+        LANE_PLACEMENT=lane_placement(config, constexprs, dtype.itemsize),
+        LANE_AXIS=LANE_AXIS or 0,
+        SHUFFLE=SHUFFLE and LANE_AXIS == 0,  # (the shuffles' segments are the lowest lane bits)
+    )
     constexprs["LANE_UNROLL"] = max(1, int(config.lane_unroll))
     constexprs["PARAMS_AHEAD"] = bool(config.params_ahead) and constexprs["LANE_PLACEMENT"]
     if not (constexprs["LANE_PLACEMENT"] and hopper):  # where the targets were measured
@@ -599,7 +613,8 @@ def _backward_constexprs(
     whole_vectors = D % (16 // dtype.itemsize) == 0
     constexprs.update(
         LANE_PLACEMENT=plain_adds and whole_vectors and lane_placement(config, constexprs, dtype.itemsize),
-        SHUFFLE=WARP_SHUFFLES,
+        LANE_AXIS=LANE_AXIS or 0,
+        SHUFFLE=SHUFFLE and LANE_AXIS == 0,
         LANE_UNROLL=min(2, max(1, int(config.lane_unroll))),
     )
     return constexprs

@@ -95,19 +95,43 @@ def placed_corner_rows(
 
 
 @triton.jit
-def from_lane(x, k, lane, SEGMENT: tl.constexpr, SHUFFLE: tl.constexpr):
-    """Each thread's copy of `x` as held by lane k of its row: `x` is [SEGMENT, GROUPS, BLOCK_Q, 1],
-    axis 0 laid over SEGMENT consecutive threads (the threads that read one value row) and `lane`
-    its index. SHUFFLE: one warp shuffle (PTX shfl.sync, 32-bit `x`); else (Triton's
-    interpreter, other GPUs) a masked sum over the axis, exact as every other term is 0."""
-    if SHUFFLE:
-        SEGMENTS: tl.constexpr = ((32 - SEGMENT) << 8) | 31  # shfl's c operand: SEGMENT-lane segments
-        return tl.inline_asm_elementwise(
-            f"shfl.sync.idx.b32 $0, $1, $2, {SEGMENTS}, -1;", "=r,r,r", [x, lane * 0 + k], dtype=x.dtype, is_pure=True,
-            pack=1,
-        )
+def lane_tile(q, LANES: tl.constexpr, GROUPS: tl.constexpr, LANE_AXIS: tl.constexpr):
+    """The lane placement's tile indices (lane, group, query), each along its own axis of the
+    4-D tile, whose last axis is a thread's vector of channels: [LANES, GROUPS, BLOCK_Q, vector]
+    with LANE_AXIS 0, [GROUPS, BLOCK_Q, LANES, vector] with LANE_AXIS 2. q: the program's
+    [BLOCK_Q] queries. Which of the two puts a row's LANES threads on consecutive lanes of a
+    warp depends on how a triton release breaks ties between axes as it lays out the gathers:
+    `launch.LANE_AXIS` picks it per release."""
+    if LANE_AXIS == 0:
+        lane = tl.arange(0, LANES)[:, None, None, None]
+        group = tl.arange(0, GROUPS)[None, :, None, None]
+        query = q[None, None, :, None]
     else:
-        return tl.sum(tl.where(lane == k, x, 0), axis=0, keep_dims=True)
+        tl.static_assert(LANE_AXIS == 2, "the lane axis is the tile's first or third")
+        lane = tl.arange(0, LANES)[None, None, :, None]
+        group = tl.arange(0, GROUPS)[:, None, None, None]
+        query = q[None, :, None, None]
+    return lane, group, query
+
+
+@triton.jit
+def from_lane(x, k, LANE_AXIS: tl.constexpr, SHUFFLE: tl.constexpr):
+    """Each thread's copy of `x` as held by lane k of its row: `x` is the lane placement's tile
+    (`lane_tile`) with one element a vector. A gather along the lane axis, which Triton lowers to
+    one warp shuffle where that axis lies over consecutive lanes of a warp, and to a slower but
+    still correct exchange in any other layout: a triton that lays the tile out otherwise costs
+    time, never a wrong result (scripts/compile_check.py reads what each release does).
+    SHUFFLE (triton 3.6, `launch.SHUFFLE_TRITON`): one PTX shfl.sync in segments of the lane
+    axis's size instead, right only in the layout compile_check finds there, as 3.6 lowers a
+    gather across all 32 lanes of a warp (rows of 128 float32) through shared memory."""
+    if SHUFFLE:
+        tl.static_assert(LANE_AXIS == 0, "the shuffles' segments are the lowest lane bits: lanes first")
+        SEGMENTS: tl.constexpr = ((32 - x.shape[0]) << 8) | 31  # shfl's c operand: segments of the lane axis
+        return tl.inline_asm_elementwise(
+            f"shfl.sync.idx.b32 $0, $1, $2, {SEGMENTS}, -1;", "=r,r,r", [x, tl.zeros(x.shape, tl.int32) + k],
+            dtype=x.dtype, is_pure=True, pack=1,
+        )  # fmt: skip
+    return tl.gather(x, tl.zeros(x.shape, tl.int32) + k, axis=LANE_AXIS)
 
 
 @triton.jit

@@ -70,12 +70,11 @@ def _forget_launches():
 @pytest.fixture
 def unchecked_triton_release():
     """What a triton release other than those the kernels were checked on runs (launch.py's
-    WARP_SHUFFLES and SHARED_TILE_TRITON, direct.py's C_LAUNCH_TRITON): no warp shuffles, so
-    each config's own loop in place of the lane placement, no shared tile, and eager launches
-    through `CompiledKernel[grid]`."""
+    LANE_AXES and SHARED_TILE_TRITON, direct.py's C_LAUNCH_TRITON): each config's own loop in
+    place of the lane placement, no shared tile, and eager launches through `CompiledKernel[grid]`."""
     with pytest.MonkeyPatch.context() as patch:
         _forget_launches()
-        patch.setattr(launch, "WARP_SHUFFLES", False)
+        patch.setattr(launch, "LANE_AXIS", None)
         patch.setattr(direct, "C_LAUNCH_TRITON", ())
         patch.setattr(launch, "SHARED_TILE", False)  # Gluon's kernel, also taken on 3.6 alone
         yield
@@ -85,8 +84,8 @@ def unchecked_triton_release():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("preset", ["decoder", "encoder"])
 def test_preset_matches_reference_on_an_unchecked_triton(unchecked_triton_release, preset, dtype):
-    """triton 3.7 and 3.8 (PyTorch 2.12 to 2.14's) lay the lane placement's shuffles otherwise:
-    there the kernels run without them (bench/NOTES.md entry 104), which this checks here."""
+    """A triton release the layouts were not read on runs without the lane placement (and, as
+    3.7 and 3.8 do, launches through the public route): checked here on this one."""
     inputs = make_inputs(PRESETS[preset], dtype, "cuda", seed=23)
     _, _, constexprs = launch.forward_call(*inputs.args(), torch.empty(0, device="cuda"))
     assert not constexprs["LANE_PLACEMENT"]
@@ -100,6 +99,31 @@ def test_preset_matches_reference_on_an_unchecked_triton(unchecked_triton_releas
     with public_route as public:
         again = forward_backward(inputs, grad_output)
     assert public.call_count > 0 and torch.equal(again[0], first[0])
+
+
+@pytest.fixture
+def other_lane_axis():
+    """The lane placement's tile in the order the installed triton does not take (launch.LANE_AXES:
+    3.6 lanes first, 3.7 and 3.8 third), whose gathers Triton lays out otherwise."""
+    with pytest.MonkeyPatch.context() as patch:
+        _forget_launches()
+        patch.setattr(launch, "LANE_AXIS", 2 if launch.LANE_AXIS == 0 else 0)
+        yield launch.LANE_AXIS
+    _forget_launches()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("preset", ["decoder", "encoder"])
+def test_preset_matches_reference_in_the_other_lane_order(other_lane_axis, preset, dtype):
+    """The lane placement's gathers are right in any layout (sampling.from_lane): with the tile in
+    the other order, which this release lays out with exchanges through shared memory, the
+    presets still match the oracle, so a release that lays it out otherwise is slower, not wrong."""
+    inputs = make_inputs(PRESETS[preset], dtype, "cuda", seed=29)
+    _, _, forward = launch.forward_call(*inputs.args(), torch.empty(0, device="cuda"))
+    assert forward["LANE_PLACEMENT"] and forward["LANE_AXIS"] == other_lane_axis
+    grad_output = random_like_output(inputs)
+    errors = assert_matches_reference(inputs, forward_backward(inputs, grad_output), grad_output)
+    print(preset, dtype, other_lane_axis, {k: f"{v:.2e}" for k, v in errors.items()})
 
 
 def test_float64_matches_reference():
