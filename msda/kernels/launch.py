@@ -43,7 +43,8 @@ from .deterministic import (
 # - Gluon (triton.experimental) changes its API from one release to the next: the shared tile's
 #   kernel is taken on the triton it was written and measured on, and other releases go without
 #   it (as does a triton without Gluon): a new one must not turn into an error at a backward's launch;
-# - the lane placement's speed rests on the layouts Triton picks (`LANE_AXIS`).
+# - the lane placement's speed rests on the layouts Triton picks (`LANE_AXES`), and on 3.6 its
+#   shuffles' results too (`SHUFFLE`; entry 105).
 TRITON_RELEASE = ".".join(triton.__version__.split(".")[:2])
 SHARED_TILE_TRITON = ("3.6",)
 msda_shared_tile_kernel = None
@@ -280,7 +281,7 @@ def lane_placement(config: TileConfig, constexprs: dict, element_size: int) -> b
     of at least a warp's threads: with fewer, Triton spreads a row's vector over more threads
     and the shuffles' lanes are no longer the row's (scripts/compile_check.py checks the
     layouts). Where it applies it takes precedence over a config's prefetch; int32 pairs apply to
-    either loop. It is taken on NVIDIA GPUs with a triton release in `LANE_AXIS` and in the
+    either loop. It is taken on NVIDIA GPUs with a triton release in `LANE_AXES` and in the
     interpreter; elsewhere (another release, ROCm) the config's loop runs."""
     lanes = constexprs["CHUNK"] // max(1, 16 // element_size)
     return (
