@@ -18,6 +18,8 @@ from bench.timing import profiler_device_time
 from msda.kernels import launch
 from msda.testing import PRESETS, make_inputs
 
+if not hasattr(launch, "WARP_SHUFFLES"):  # setting it would change nothing: a silent wrong sweep
+    raise SystemExit("entry 104's code only (launch.WARP_SHUFFLES); since entry 105: session52-lane_gather.py")
 MODES = {"3.6": (True, launch.SHARED_TILE), "unchecked": (False, False)}
 
 
