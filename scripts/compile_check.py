@@ -21,7 +21,8 @@ It also checks:
   over consecutive lanes of a warp (one shuffle each, Triton's `efficient_layout`) and where the
   tile keeps one layout through the loops (no exchange through shared memory, no barrier, in
   them). Triton picks layouts itself, and releases break ties between axes differently (3.6
-  and 3.7 do): a release or a change that slows the loop so fails here, not in a benchmark.
+  otherwise than 3.7 and 3.8): a release or a change that slows the loop so fails here, not in
+  a benchmark.
   Where the placements go by PTX shuffles instead (`launch.SHUFFLE`, triton 3.6), they pass a
   value from lane k of each segment of LANES consecutive lanes, so the tensor they act on must
   lay its lane axis over exactly those lanes: the check reads that from the TTGIR too, as a

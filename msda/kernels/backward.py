@@ -15,6 +15,7 @@ from .sampling import (
     place_sample,
     placed_corner_rows,
     softmax_stats,
+    weight_offsets,
 )
 
 
@@ -154,8 +155,7 @@ def msda_backward_kernel(
                     size *= tl.load(shapes_ptr + 2 * before + 1).to(b.dtype)
                     start += tl.where(before < level, size, 0)
             param = first_param + level * NUM_POINTS + sample % NUM_POINTS
-            # The weights' offsets through a select, as in the forward's _own_sample_params (it says why).
-            weight = tl.where(ok, param, 0)
+            weight = weight_offsets(param, ok)
             attn = finite_or_nan(tl.load(attn_ptr + weight, mask=ok, other=0.0).to(tl.float32))
             x = tl.load(loc_ptr + 2 * param, mask=ok, other=0.0)
             y = tl.load(loc_ptr + 2 * param + 1, mask=ok, other=0.0)

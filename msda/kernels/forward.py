@@ -3,7 +3,15 @@
 import triton
 import triton.language as tl
 
-from .sampling import finite_or_nan, from_lane, lane_tile, level_ok, place_sample, placed_corner_rows
+from .sampling import (
+    finite_or_nan,
+    from_lane,
+    lane_tile,
+    level_ok,
+    place_sample,
+    placed_corner_rows,
+    weight_offsets,
+)
 
 
 @triton.jit
@@ -49,10 +57,7 @@ def _own_sample_params(loc_ptr, attn_ptr, param, ok):
     """The weight and (x, y) of each thread's own sample at `param` (0 where not `ok`), as
     loaded: no arithmetic on them here, so that loads issued a round ahead are not waited on
     where they are issued."""
-    # The weights' offsets through a select: consecutive groups' weights are adjacent, and where
-    # Triton sees that it loads them in a layout of their own and, on 3.7 and 3.8, exchanges
-    # them into the tile's through shared memory every round (bench/NOTES.md entry 105).
-    attn = tl.load(attn_ptr + tl.where(ok, param, 0), mask=ok, other=0.0)
+    attn = tl.load(attn_ptr + weight_offsets(param, ok), mask=ok, other=0.0)
     x = tl.load(loc_ptr + 2 * param, mask=ok, other=0.0)
     y = tl.load(loc_ptr + 2 * param + 1, mask=ok, other=0.0)
     return attn, x, y
@@ -278,9 +283,8 @@ def _lane_placed_samples(
     # Turns a round: fewer than LANES where a group has fewer samples than its row has threads
     # (4 groups of 4 samples at float32's 8 lanes), so no turn reads only masked corners.
     TURNS: tl.constexpr = min(LANES, (SAMPLES + GROUPS - 1) // GROUPS)
-    BLOCK_Q: tl.constexpr = q.shape[0]
-    TILE: tl.constexpr = [LANES, GROUPS, BLOCK_Q] if LANE_AXIS == 0 else [GROUPS, BLOCK_Q, LANES]
     lane, group, q = lane_tile(q, LANES, GROUPS, LANE_AXIS)
+    TILE: tl.constexpr = (lane + group + q).shape  # the tile's axes in lane_tile's order, the last 1
     first_param = ((b * num_queries + q) * NUM_HEADS + m) * SAMPLES  # one a query
     if BF16_PAIRS:  # offsets in int32 pairs of elements
         ELEMENTS: tl.constexpr = 2
@@ -328,8 +332,7 @@ def _lane_placed_samples(
             )
         else:  # (inline, not `_own_sample_params`: so these configs compile as they did, entry 69)
             param = first_param + sample
-            attn = tl.load(attn_ptr + tl.where(ok, param, 0), mask=ok, other=0.0)  # (as _own_sample_params)
-            attn = finite_or_nan(attn.to(tl.float32))
+            attn = finite_or_nan(tl.load(attn_ptr + weight_offsets(param, ok), mask=ok, other=0.0).to(tl.float32))
             x = tl.load(loc_ptr + 2 * param, mask=ok, other=0.0)
             y = tl.load(loc_ptr + 2 * param + 1, mask=ok, other=0.0)
         # Offsets in elements, or pairs (int32: the lane placement has 32-bit indices only).

@@ -317,6 +317,12 @@ else:
 SHUFFLE = LANE_AXIS == 0 and not INTERPRETED and TRITON_RELEASE in SHUFFLE_TRITON
 
 
+def _lane_order() -> dict:
+    """The kernels' LANE_AXIS and SHUFFLE (read at each call: tests set the module's flags). The
+    shuffles' segments are the lowest lane bits, so they go with the lanes first alone."""
+    return dict(LANE_AXIS=LANE_AXIS or 0, SHUFFLE=SHUFFLE and LANE_AXIS == 0)
+
+
 @functools.lru_cache(maxsize=None)
 def register_target(device: torch.device) -> bool:
     """Whether launches on `device` take a config's `max_registers` (Triton's maxnreg): NVIDIA
@@ -434,11 +440,7 @@ def _forward_constexprs(
         PREFETCH=bool(config.prefetch),
     )
     # Where the lane placement does not apply, the config's other settings choose the loop.
-    constexprs.update(
-        LANE_PLACEMENT=lane_placement(config, constexprs, dtype.itemsize),
-        LANE_AXIS=LANE_AXIS or 0,
-        SHUFFLE=SHUFFLE and LANE_AXIS == 0,  # (the shuffles' segments are the lowest lane bits)
-    )
+    constexprs.update(LANE_PLACEMENT=lane_placement(config, constexprs, dtype.itemsize), **_lane_order())
     constexprs["LANE_UNROLL"] = max(1, int(config.lane_unroll))
     constexprs["PARAMS_AHEAD"] = bool(config.params_ahead) and constexprs["LANE_PLACEMENT"]
     if not (constexprs["LANE_PLACEMENT"] and hopper):  # where the targets were measured
@@ -614,8 +616,7 @@ def _backward_constexprs(
     whole_vectors = D % (16 // dtype.itemsize) == 0
     constexprs.update(
         LANE_PLACEMENT=plain_adds and whole_vectors and lane_placement(config, constexprs, dtype.itemsize),
-        LANE_AXIS=LANE_AXIS or 0,
-        SHUFFLE=SHUFFLE and LANE_AXIS == 0,
+        **_lane_order(),
         LANE_UNROLL=min(2, max(1, int(config.lane_unroll))),
     )
     return constexprs

@@ -135,6 +135,15 @@ def from_lane(x, k, LANE_AXIS: tl.constexpr, SHUFFLE: tl.constexpr):
 
 
 @triton.jit
+def weight_offsets(param, ok):
+    """The lane placement's offsets of its samples' weights (0 where not `ok`, masked there). A
+    select, which hides from Triton that consecutive groups' weights are adjacent: seeing it, it
+    loads (and stores) them in a layout of their own and, on 3.7 and 3.8, exchanges them into
+    the tile's through shared memory every round (bench/NOTES.md entry 105)."""
+    return tl.where(ok, param, 0)
+
+
+@triton.jit
 def level_ok(h, w, start, num_values):
     """Whether level rows start .. start + h * w lie inside value: an inconsistent
     level_start_index (not checked on CUDA: it would cost a host sync) must not read outside."""
