@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+import triton
 
 pytest.importorskip("triton.backends.nvidia.driver")
 from triton import knobs  # noqa: E402
@@ -25,23 +26,36 @@ class _LoadedKernel(CompiledKernel):
         pass
 
 
+# How the installed release's C function takes the kernel's arguments (the fakes' launcher is its).
+FORM = direct.C_LAUNCH_TRITON.get(direct.TRITON_RELEASE, "spread")
+ANNOTATIONS, SIGNATURE = object(), b"signature"  # 3.7's: which arguments are constexprs; their C types
+
+
 def _compiled_kernel(recorded: list) -> CompiledKernel:
     """A CompiledKernel as Triton 3's CUDA backend makes one, loaded, whose C launch records its
-    arguments instead of launching."""
+    arguments instead of launching (with the attributes of 3.6's launcher and of 3.7's)."""
     launcher = CudaLauncher.__new__(CudaLauncher)
     launcher.launch = lambda *args: recorded.append(args)
     launcher.num_ctas, launcher.launch_cooperative_grid, launcher.launch_pdl = 1, False, True
     launcher.global_scratch_size = launcher.profile_scratch_size = 0
     launcher.global_scratch_align = launcher.profile_scratch_align = 1
+    launcher.arg_annotations, launcher.kernel_signature, launcher.gsan_enabled = ANNOTATIONS, SIGNATURE, False
     compiled = _LoadedKernel.__new__(_LoadedKernel)
     compiled.module, compiled.function, compiled._run = object(), 0xF00D, launcher
     compiled.packed_metadata, compiled.name, compiled.src = (4, 1, 0), "msda_forward_kernel", None
     return compiled
 
 
-def test_the_direct_c_launch_passes_what_the_public_route_does():
+def _kernel_args(c_launch: tuple) -> tuple:
+    """The kernel's arguments in a recorded C launch: after 13 others (3.6), or its last (3.7)."""
+    return c_launch[-1] if FORM == "tuple" else c_launch[13:]
+
+
+def test_the_direct_c_launch_passes_what_the_public_route_does(monkeypatch):
     """On the triton releases it was written for (C_LAUNCH_TRITON); any other takes the public
-    route (the next tests: triton 3.7 gave the C function other arguments)."""
+    route (the next tests)."""
+    # 3.8's launcher reads the active driver (for profile scratch, none here): none without a GPU
+    monkeypatch.setattr(triton.runtime.driver, "_active", object())
     public, direct_route = [], []
     launch, head = direct._c_launch(_compiled_kernel(direct_route))
     if direct.TRITON_RELEASE not in direct.C_LAUNCH_TRITON:
@@ -50,12 +64,20 @@ def test_the_direct_c_launch_passes_what_the_public_route_does():
     _compiled_kernel(public)[GRID](*ARGS, stream=STREAM)
     launch(*GRID, STREAM, *head, *ARGS)
     (got,), (want,) = direct_route, public
-    # grid, stream, function, cooperative grid, PDL, the two scratch buffers, kernel metadata
-    assert got[:10] == want[:10] == (*GRID, STREAM, 0xF00D, False, True, None, None, (4, 1, 0))
-    # launch metadata and the hook chains: made and passed by the public route, none here
-    assert got[10:13] == (None, None, None)
-    assert want[11] is knobs.runtime.launch_enter_hook and want[12] is knobs.runtime.launch_exit_hook
-    assert got[13:] == want[13:] == ARGS
+    enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    if FORM == "spread":
+        # grid, stream, function, cooperative grid, PDL, the two scratch buffers, kernel metadata
+        assert got[:10] == want[:10] == (*GRID, STREAM, 0xF00D, False, True, None, None, (4, 1, 0))
+        # launch metadata and the hook chains: made and passed by the public route, none here
+        assert got[10:13] == (None, None, None) and want[11] is enter and want[12] is exit_
+        assert got[13:] == want[13:] == ARGS
+    else:
+        # grid, stream, function, cooperative grid, PDL, kernel metadata
+        assert got[:8] == want[:8] == (*GRID, STREAM, 0xF00D, False, True, (4, 1, 0))
+        assert got[8:11] == (None, None, None) and want[9] is enter and want[10] is exit_
+        # the two scratch buffers, the annotations, the signature, the arguments as one tuple
+        assert got[11:] == want[11:] == (None, None, ANNOTATIONS, SIGNATURE, ARGS)
+    assert len(got) == len(want)
 
 
 def test_a_launcher_it_was_not_written_for_takes_the_public_route():
@@ -70,7 +92,7 @@ def test_a_launcher_it_was_not_written_for_takes_the_public_route():
 def test_another_triton_release_takes_the_public_route(monkeypatch):
     """A release whose launcher `_c_launch` was not checked against launches through
     `compiled[grid]`, which passes the launcher the grid, the stream and the arguments."""
-    monkeypatch.setattr(direct, "C_LAUNCH_TRITON", ())
+    monkeypatch.setattr(direct, "C_LAUNCH_TRITON", {})
     recorded = []
     monkeypatch.setattr(CudaLauncher, "__call__", lambda self, *args: recorded.append(args))
     compiled = _compiled_kernel([])
@@ -127,7 +149,7 @@ def test_a_kernel_is_reused_only_for_integers_of_its_specialization(monkeypatch)
     assert native_specialize_impl(BaseBackend, 16, False, True, True) == ("i32", "D")
     assert native_specialize_impl(BaseBackend, 17, False, True, True) == ("i32", "")
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: STREAM, raising=False)
-    monkeypatch.setattr(direct, "C_LAUNCH_TRITON", (direct.TRITON_RELEASE,))  # the fakes' launcher is 3.6's
+    monkeypatch.setattr(direct, "C_LAUNCH_TRITON", {direct.TRITON_RELEASE: FORM})
     kernel = _JITKernel()
     launcher = direct.DirectLauncher(kernel)
     x = torch.zeros(64)
@@ -138,7 +160,7 @@ def test_a_kernel_is_reused_only_for_integers_of_its_specialization(monkeypatch)
         jit_after.append(len(kernel.jit_launches))
     assert jit_after == [1, 1, 2, 2, 3, 3, 3]
     # The reused launches went through the C launch, with their own n.
-    assert [args[-2] for args in kernel.c_launches] == [32, 33, 1, 48]
+    assert [_kernel_args(args)[-2] for args in kernel.c_launches] == [32, 33, 1, 48]
 
 
 def test_a_prepared_launch_passes_what_the_launcher_would(monkeypatch):
@@ -146,7 +168,7 @@ def test_a_prepared_launch_passes_what_the_launcher_would(monkeypatch):
     dtypes (their pointers in the tensors' places, the integers kept), and nothing launched
     (False) for a misaligned pointer or while a launch hook is set."""
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: STREAM, raising=False)
-    monkeypatch.setattr(direct, "C_LAUNCH_TRITON", (direct.TRITON_RELEASE,))  # the fakes' launcher is 3.6's
+    monkeypatch.setattr(direct, "C_LAUNCH_TRITON", {direct.TRITON_RELEASE: FORM})
     kernel = _JITKernel()
     launcher = direct.DirectLauncher(kernel)
     device = torch.device("cuda", 0)
@@ -159,8 +181,10 @@ def test_a_prepared_launch_passes_what_the_launcher_would(monkeypatch):
     assert prepared((y,)) is True
     by_launcher, by_prepared = kernel.c_launches[-2:]
     assert by_prepared[:4] == by_launcher[:4] == (2, 1, 1, STREAM)
-    assert by_prepared[4:-3] == by_launcher[4:-3]  # function, launch settings, metadata
-    assert by_launcher[-3:] == (x.data_ptr(), 48, 4) and by_prepared[-3:] == (y.data_ptr(), 48, 4)
+    fixed = len(by_launcher) - (1 if FORM == "tuple" else 3)
+    assert by_prepared[4:fixed] == by_launcher[4:fixed]  # function, launch settings, metadata
+    assert _kernel_args(by_launcher)[-3:] == (x.data_ptr(), 48, 4)
+    assert _kernel_args(by_prepared)[-3:] == (y.data_ptr(), 48, 4)
 
     launches = len(kernel.c_launches)
     misaligned = torch.zeros(65)[1:]

@@ -7,10 +7,10 @@ integers' classes and the device), so it keeps each compiled kernel under that k
 Triton's C launcher for it directly. `CompiledKernel[grid](..., stream=...)`, the public route,
 adds per launch a closure, the launch metadata for the launch hooks (a dict, made even while no
 hook is set: the hooks are chains, never None), calls of both hook chains and the scratch
-allocators (bench/NOTES.md entry 64). Where the compiled kernel's launcher is not the one this
-was written for (a kernel with scratch memory, or another Triton release: 3.7 replaced the C
-function's arguments with a tuple and its annotations, bench/NOTES.md entry 104), launches take
-that route.
+allocators (bench/NOTES.md entry 64). Triton 3.7 replaced 3.6's C function with one that takes
+the kernel's arguments as a tuple beside their annotations (bench/NOTES.md entry 104); both
+forms are here. Where the compiled kernel's launcher is not one this was written for (a kernel
+with scratch memory, a Triton release not in C_LAUNCH_TRITON), launches take the public route.
 
 The key holds all that Triton specializes a compiled kernel on: the device, the constexprs and
 launch options, each tensor's dtype (its pointer 16-byte aligned: PyTorch allocations are), and
@@ -119,30 +119,45 @@ def _key(args: tuple, constexprs: dict, device: torch.device) -> tuple:
     )  # fmt: skip
 
 
-# The triton releases whose CUDA launcher's C function takes the arguments `_c_launch` passes
-# (tests/test_direct_launch.py compares them with what the public route passes).
-C_LAUNCH_TRITON = ("3.6",)
+# The triton releases whose CUDA launcher's C function `_c_launch` calls, each with how that
+# function takes the kernel's arguments: 3.6's spread after its fixed arguments, 3.7's generic
+# launcher (3.8 keeps it) as one tuple after their annotations and the signature
+# (tests/test_direct_launch.py compares each with what the public route passes).
+C_LAUNCH_TRITON = {"3.6": "spread", "3.7": "tuple", "3.8": "tuple"}
 
 
 def _c_launch(compiled) -> tuple:
     """(launch, arguments): `launch(gridX, gridY, gridZ, stream, *arguments, *kernel_arguments)`
-    runs `compiled` without a launch hook. Triton 3.6's CUDA launcher (triton/backends/nvidia/
-    driver.py) where the kernel needs no scratch memory; else `compiled[grid]`, the public route."""
+    runs `compiled` without a launch hook. Triton's CUDA launcher (triton/backends/nvidia/
+    driver.py) of a release in C_LAUNCH_TRITON where the kernel needs no scratch memory; else
+    `compiled[grid]`, the public route."""
     launcher = compiled.run  # loads the kernel and builds the launcher, once
+    form = C_LAUNCH_TRITON.get(TRITON_RELEASE)
     if (
-        TRITON_RELEASE in C_LAUNCH_TRITON
+        form is not None
         and type(launcher).__name__ == "CudaLauncher"
         and getattr(launcher, "global_scratch_size", None) == 0
         and getattr(launcher, "profile_scratch_size", None) == 0
+        and not getattr(launcher, "gsan_enabled", False)  # 3.8's sanitizer appends an argument
         and hasattr(launcher, "launch_pdl")
         and hasattr(compiled, "packed_metadata")
     ):
-        # The C function's arguments after the stream: the function, cooperative grid, PDL,
-        # global and profile scratch, the kernel's metadata, the launch metadata, enter and exit hooks.
-        return launcher.launch, (
-            compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
-            compiled.packed_metadata, None, None, None,
-        )  # fmt: skip
+        c_function, function = launcher.launch, compiled.function
+        cooperative, pdl, metadata = launcher.launch_cooperative_grid, launcher.launch_pdl, compiled.packed_metadata
+        if form == "spread":
+            # After the stream: the function, cooperative grid, PDL, global and profile scratch,
+            # the kernel's metadata, the launch metadata, enter and exit hooks.
+            return c_function, (function, cooperative, pdl, None, None, metadata, None, None, None)
+        annotations, signature = launcher.arg_annotations, launcher.kernel_signature
+
+        def launch(grid_x, grid_y, grid_z, stream, *kernel_args):
+            # After the stream: the function, cooperative grid, PDL, the kernel's metadata, the
+            # launch metadata, enter and exit hooks, global and profile scratch, then the
+            # arguments' annotations (which of them are constexprs), the signature, the arguments.
+            c_function(grid_x, grid_y, grid_z, stream, function, cooperative, pdl, metadata, None, None, None, None,
+                       None, annotations, signature, kernel_args)  # fmt: skip
+
+        return launch, ()
 
     def launch(grid_x, grid_y, grid_z, stream, *kernel_args):
         compiled[(grid_x, grid_y, grid_z)](*kernel_args, stream=stream)

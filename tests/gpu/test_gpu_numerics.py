@@ -75,7 +75,7 @@ def unchecked_triton_release():
     with pytest.MonkeyPatch.context() as patch:
         _forget_launches()
         patch.setattr(launch, "LANE_AXIS", None)
-        patch.setattr(direct, "C_LAUNCH_TRITON", ())
+        patch.setattr(direct, "C_LAUNCH_TRITON", {})
         patch.setattr(launch, "SHARED_TILE", False)  # Gluon's kernel, also taken on 3.6 alone
         yield
     _forget_launches()
