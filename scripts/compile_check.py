@@ -229,6 +229,17 @@ def lane_placement_layout_errors(ttgir: str, ptx: str) -> list[str]:
     return errors
 
 
+def float64_placement_errors(ptx: str) -> list[str]:
+    """How a float64 kernel's sample placement misses the reference's rounding: a product fused
+    with the -0.5 into one fma (sampling.pixel_cell; triton 3.8 fused `x * size + 0.0 - 0.5`),
+    or a kernel that floors float64 coordinates without a mul.rn.f64 (no fma may fuse it)."""
+    errors = [f"a product fused with -0.5: {line.strip()}" for line in ptx.splitlines()
+              if re.search(r"\bfma\.rn\.f64\b.*0dBFE0000000000000;", line)]  # fmt: skip
+    if "cvt.rmi.f64.f64" in ptx and "mul.rn.f64" not in ptx:
+        errors.append("floors float64 coordinates with no mul.rn.f64")
+    return errors
+
+
 def shuffle_layout_errors(ttgir: str) -> list[str]:
     """How the tensors of the lane placement's warp shuffles miss the layout they need: axis 0 (the
     lane axis, of the segment's size) one element a thread, over the lowest lane bits of one warp."""
@@ -285,6 +296,9 @@ def compile_for_hopper(
         options = {k: v for k, v in constexprs.items() if k in LAUNCH_OPTIONS}
         compiled = triton.compile(source, target=HOPPER, options=options)
     seconds = time.perf_counter() - start
+    errors = float64_placement_errors(compiled.asm["ptx"])
+    if errors:
+        raise AssertionError(f"float64 placement rounded unlike the reference ({len(errors)}): {errors[0]}")
     if constexprs.get("LANE_PLACEMENT"):
         if constexprs.get("SHUFFLE"):
             errors = shuffle_layout_errors(compiled.asm["ttgir"])

@@ -23,16 +23,21 @@ def test_kernels_compile_for_hopper(compile_check):
     assert "kernels compiled for sm_90" in text
 
 
-def test_layout_check_reads_gathers_and_loops(monkeypatch):
-    """compile_check's speed check of the lane placement (`lane_placement_layout_errors`) names a
-    gather Triton could not lower to shuffles and a barrier inside a loop, and nothing in a loop
-    of shuffles followed by a barrier after it (the epilogue's, which is once a program)."""
+def _compile_check(monkeypatch):
+    """scripts/compile_check.py as a module."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (the script refuses to load under it)
     path = pathlib.Path(__file__).parents[1] / "scripts" / "compile_check.py"
     spec = importlib.util.spec_from_file_location("compile_check", path)
     compile_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(compile_check)
-    errors = compile_check.lane_placement_layout_errors
+    return compile_check
+
+
+def test_layout_check_reads_gathers_and_loops(monkeypatch):
+    """compile_check's speed check of the lane placement (`lane_placement_layout_errors`) names a
+    gather Triton could not lower to shuffles and a barrier inside a loop, and nothing in a loop
+    of shuffles followed by a barrier after it (the epilogue's, which is once a program)."""
+    errors = _compile_check(monkeypatch).lane_placement_layout_errors
     loop = "$L__BB0_1:  // =>This Inner Loop Header: Depth=1\n\tshfl.sync.idx.b32 %r1, %r2, %r3, 31, -1;\n"
     loop += "{}\t@%p1 bra $L__BB0_1;\n"
     fast = "%g = tt.gather %x[%i] {axis = 0 : i32, efficient_layout} : (tensor<8x2x2x1xi32, #blocked1>)"
@@ -40,6 +45,21 @@ def test_layout_check_reads_gathers_and_loops(monkeypatch):
     assert errors(fast, loop.format("\tbar.sync 0;\n")) == ["1 barriers in the loop at $L__BB0_1"]
     slow = fast.replace(", efficient_layout", "")
     assert len(errors(slow, loop.format(""))) == 1 and "not warp-local" in errors(slow, "")[0]
+
+
+def test_float64_placement_check_reads_fused_products(monkeypatch):
+    """compile_check's `float64_placement_errors` names a float64 product fused with the -0.5 of
+    the pixel centre (what triton 3.8 made of sampling.pixel_cell's `x * size + 0.0 - 0.5`) and
+    a kernel that floors float64 coordinates without rounding a product first; the PTX of a
+    placement that rounds its product passes, and so does float32's fma (its placement's own)."""
+    errors = _compile_check(monkeypatch).float64_placement_errors
+    floor = "\tcvt.rmi.f64.f64 %rd5, %rd4;\n"
+    rounded = "\tmul.rn.f64 %rd3, %rd1, %rd2;\n\tadd.f64 %rd4, %rd3, 0dBFE0000000000000;\n" + floor
+    fused = "\tfma.rn.f64 %rd4, %rd1, %rd2, 0dBFE0000000000000;\n" + floor
+    float32 = "\tfma.rn.f32 %f3, %f1, %f2, 0fBF000000;\n\tcvt.rmi.f32.f32 %f4, %f3;\n"
+    assert errors(rounded) == [] and errors(float32) == [] and errors("") == []
+    assert len(errors(fused)) == 2 and "fused with -0.5" in errors(fused)[0]
+    assert errors(rounded + fused) == [f"a product fused with -0.5: {fused.splitlines()[0].strip()}"]
 
 
 def test_a_whole_row_per_load_instruction():

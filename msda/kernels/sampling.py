@@ -10,8 +10,17 @@ The one exception, `softmax_stats`, loads the logits but returns no address: two
 query, which no store's address is computed from (scripts/compile_check.py checks the analysis).
 """
 
+import os
+
+import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+# Whether float64 placement rounds its product with libdevice's mul_rn (PTX mul.rn.f64, which
+# neither LLVM nor ptxas fuses into an fma): on NVIDIA. Triton's interpreter has no libdevice
+# (numpy never fuses) and ROCm's has no mul_rn (there the `+ 0.0` below is all that stands).
+ROUNDED_PRODUCT = tl.constexpr(torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1")
 
 
 @triton.jit
@@ -32,9 +41,15 @@ def pixel_cell(x, size, COMPUTE: tl.constexpr):
     """
     size = size.to(COMPUTE)
     if COMPUTE == tl.float64:
-        # `+ 0.0` keeps the product rounded whether or not the compiler contracts it into an
-        # fma (then one with a zero addend): what the reference computes in float64.
-        x_im = (x * size + 0.0) - 0.5
+        # The product rounded, then 0.5 off: what the reference computes in float64. Fused into
+        # fma(x, size, -0.5), the product's rounding is lost, and a sample whose product rounds
+        # onto a cell border (x = 1/6 of 3 pixels) lands in the cell before it: the location
+        # gradient of the other side. Triton 3.8's LLVM fuses even `x * size + 0.0 - 0.5` so.
+        if ROUNDED_PRODUCT:
+            product = libdevice.mul_rn(x, size)
+        else:
+            product = x * size + 0.0
+        x_im = product - 0.5
         cell = tl.floor(x_im)
         frac = x_im - cell
     else:
