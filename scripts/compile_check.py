@@ -41,10 +41,15 @@ Prints each failure and a summary; exits 1 on any failure.
 from __future__ import annotations
 
 import argparse
+import builtins
+import dis
+import importlib.util
 import itertools
 import os
+import pathlib
 import re
 import sys
+import tempfile
 import time
 from types import SimpleNamespace
 
@@ -329,6 +334,31 @@ def written_arguments(kernel, args: tuple, constexprs: dict) -> list[str]:
         driver._active = previous
 
 
+def inductor_copy_errors(kernel) -> list[str]:
+    """The names a function in torch.compile's copy of `kernel` loads and the copy does not define.
+    Inductor's generated code holds its common imports, the kernel's source, that of the
+    functions it calls, and the imports and constants among their globals that it recognizes; a
+    name it misses fails only when a compile reaches that line, e.g. in float64 alone."""
+    from torch._inductor.codegen.triton import TritonKernel
+    from torch._inductor.codegen.wrapper import user_defined_triton_kernel_transitive_closure_source_code
+
+    copy = user_defined_triton_kernel_transitive_closure_source_code(kernel)
+    source = TritonKernel.gen_common_triton_imports() + copy
+    with tempfile.TemporaryDirectory() as folder:  # triton.jit reads a function's source from its file
+        path = pathlib.Path(folder) / f"inductor_copy_of_{kernel.__name__}.py"
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    defined = vars(module).keys() | vars(builtins).keys()
+    errors = []
+    for name, function in vars(module).items():
+        if isinstance(function, triton.runtime.jit.JITFunction):
+            loads = {i.argval for i in dis.Bytecode(function.fn) if i.opname == "LOAD_GLOBAL"}
+            errors += [f"{name} loads {missing}, which the copy does not define" for missing in sorted(loads - defined)]
+    return errors
+
+
 def compile_shared_tile_for_hopper() -> None:
     """msda_shared_tile_kernel (a Gluon kernel: its own AST source) for sm_90, with the arguments
     `launch.shared_tile_call` gives at the encoder preset's shape. (Not traced by torch.compile,
@@ -396,6 +426,12 @@ def main() -> int:
                 failures += 1
                 first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
                 print(f"FAIL {what}: {first_line}", flush=True)
+    for kernel in {call[0]: None for call in kernel_calls(*QUICK_SHAPES[0], "float32", False, torch.int64)}:
+        checked += 1
+        errors = inductor_copy_errors(kernel)
+        if errors:
+            failures += 1
+            print(f"FAIL torch.compile's copy of {kernel.__name__}: {errors[0]}", flush=True)
     if launch.msda_shared_tile_kernel is not None:  # Gluon: compiled once, at the preset's constants
         checked += 1
         try:

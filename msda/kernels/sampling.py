@@ -15,7 +15,7 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
+from triton.language.extra.libdevice import mul_rn  # by name: torch.compile's copy of the kernels imports it
 
 # Whether float64 placement rounds its product with libdevice's mul_rn (PTX mul.rn.f64, which
 # neither LLVM nor ptxas fuses into an fma): on NVIDIA. Triton's interpreter has no libdevice
@@ -46,7 +46,7 @@ def pixel_cell(x, size, COMPUTE: tl.constexpr):
         # onto a cell border (x = 1/6 of 3 pixels) lands in the cell before it: the location
         # gradient of the other side. Triton 3.8's LLVM fuses even `x * size + 0.0 - 0.5` so.
         if ROUNDED_PRODUCT:
-            product = libdevice.mul_rn(x, size)
+            product = mul_rn(x, size)
         else:
             product = x * size + 0.0
         x_im = product - 0.5
