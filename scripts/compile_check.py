@@ -4,7 +4,7 @@ and without the softmax of the attention logits (SOFTMAX: msda::forward_softmax 
 msda::backward_softmax). No GPU needed: triton's own ptxas runs here. Run it without
 TRITON_INTERPRET (interpreted kernels cannot be compiled).
 
-    python scripts/compile_check.py [--full | --preset]
+    python scripts/compile_check.py [--full | --preset | --rocm]
 
 Triton's compiler has crashed on tile shapes in one release and not in another (bench/NOTES.md,
 entries 2, 8, 10, 12): only a compile shows that, never the interpreter. The kernels' arguments
@@ -35,6 +35,12 @@ It also checks:
   Python ints, not tensors (`n.to(...)` then fails to compile: bench/NOTES.md entry 38 lost a
   device call to it). At the preset every kernel compiles that way too.
 
+With --rocm: the preset's kernels, every dtype, for an AMD GPU (gfx942, CDNA3) as a ROCm build
+of torch would launch them (msda picks some kernel forms at import from `torch.version.hip`,
+which this sets first): a ROCm user's compile, whose failures no other check here sees (one
+libdevice function CUDA has and ROCm lacks, imported at a kernel module's top, failed every
+kernel there: bench/NOTES.md entry 106). Layout, PTX and torch.compile write checks are CUDA's.
+
 Prints each failure and a summary; exits 1 on any failure.
 """
 
@@ -57,6 +63,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("compile_check: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
 
 import torch  # noqa: E402
+
+ROCM = "--rocm" in sys.argv[1:]
+if ROCM:  # before msda's import, which reads it
+    torch.version.hip = "6.4"
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -72,6 +82,7 @@ from msda.kernels.deterministic import (  # noqa: E402
 from msda.kernels.forward import msda_forward_kernel  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
+CDNA3 = GPUTarget("hip", "gfx942", 64)
 # value, locations/weights and grad_value accumulator dtypes
 DTYPES = {
     "float32": (torch.float32, torch.float32, torch.float32),
@@ -144,7 +155,7 @@ def kernel_calls(
     # The index width as a call on tensors past 2**31 elements would take it (the rule reads it),
     # and the register targets of a Hopper GPU.
     needs_int64, launch.needs_int64 = launch.needs_int64, lambda *tensors: index_64
-    register_target, launch.register_target = launch.register_target, lambda device: True
+    register_target, launch.register_target = launch.register_target, lambda device: not ROCM
     try:
         calls = [
             (msda_forward_kernel, *launch.forward_call(value, shapes, starts, loc, attn, out, softmax=softmax)[1:]),
@@ -279,11 +290,13 @@ def signature(kernel, args: tuple, constexprs: dict) -> dict:
 
 
 def compile_for_hopper(
-    kernel, args: tuple, constexprs: dict, timed: bool = False, constant_ints: bool = False, source_type=ASTSource
+    kernel, args: tuple, constexprs: dict, timed: bool = False, constant_ints: bool = False, source_type=ASTSource,
+    target: GPUTarget = HOPPER,
 ) -> float:
     """Compile for sm_90 as a launch with these arguments would (16-byte-aligned pointers), or
     with `constant_ints` as torch.compile's code would with static shapes (every integer
-    argument a constexpr); returns the seconds it took. source_type: GluonASTSource for a Gluon kernel."""
+    argument a constexpr); returns the seconds it took. source_type: GluonASTSource for a Gluon
+    kernel; target: CDNA3 for ROCm's compile (no PTX to check)."""
     if constant_ints:
         ints = {name: a for name, a in zip(kernel.arg_names, args) if isinstance(a, int)}
         constexprs = {**constexprs, **ints}
@@ -299,8 +312,10 @@ def compile_for_hopper(
     with triton.knobs.compilation.scope():
         triton.knobs.compilation.always_compile = timed  # a cached kernel would time nothing
         options = {k: v for k, v in constexprs.items() if k in LAUNCH_OPTIONS}
-        compiled = triton.compile(source, target=HOPPER, options=options)
+        compiled = triton.compile(source, target=target, options=options)
     seconds = time.perf_counter() - start
+    if target is not HOPPER:
+        return seconds
     errors = float64_placement_errors(compiled.asm["ptx"])
     if errors:
         raise AssertionError(f"float64 placement rounded unlike the reference ({len(errors)}): {errors[0]}")
@@ -332,6 +347,38 @@ def written_arguments(kernel, args: tuple, constexprs: dict) -> list[str]:
         return sorted(triton_kernel_wrap.identify_mutated_tensors(kernel, kwargs, {}))
     finally:
         driver._active = previous
+
+
+def _summary(error: Exception) -> str:
+    """An error's first line and, where it says more, its last (a Triton compile error's first is
+    the source position, its last the cause)."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()] or [type(error).__name__]
+    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+
+
+def compile_for_rocm() -> int:
+    """The --rocm run: the preset's kernels, every dtype, for CDNA3, and torch.compile's copy of
+    each kernel (which holds the kernels' ROCm forms)."""
+    failures = checked = 0
+    kernels = {}
+    for dtype in DTYPES:
+        for kernel, args, constexprs in kernel_calls(*QUICK_SHAPES[0], dtype, False, torch.int64):
+            kernels[kernel] = None
+            checked += 1
+            try:
+                compile_for_hopper(kernel, args, {k: v for k, v in constexprs.items() if k != "maxnreg"}, target=CDNA3)
+            except Exception as error:  # report every failing case, not just the first
+                failures += 1
+                print(f"FAIL {kernel.__name__} {dtype} for {CDNA3.arch}: {_summary(error)}", flush=True)
+    for kernel in kernels:
+        checked += 1
+        errors = inductor_copy_errors(kernel)
+        if errors:
+            failures += 1
+            print(f"FAIL torch.compile's copy of {kernel.__name__}: {errors[0]}", flush=True)
+    print(f"triton {triton.__version__}: {checked - failures} of {checked} kernels compiled for {CDNA3.arch} "
+          "and torch.compile's copies, as a ROCm build of torch launches them")
+    return 1 if failures else 0
 
 
 def inductor_copy_errors(kernel) -> list[str]:
@@ -378,7 +425,10 @@ def main() -> int:
     modes.add_argument("--full", action="store_true", help="108 (L, K, D) shapes and int64 indices too")
     modes.add_argument("--preset", action="store_true",
                        help="the preset's shape alone, every dtype, the default flags (CI's second triton)")
+    modes.add_argument("--rocm", action="store_true", help="the preset's kernels compiled for gfx942 (CDNA3)")
     args = parser.parse_args()
+    if ROCM:
+        return compile_for_rocm()
     full, preset = args.full, args.preset
     failures = checked = 0
     if full:
@@ -424,8 +474,7 @@ def main() -> int:
                     compile_for_hopper(kernel, args, constexprs, constant_ints=True)
             except Exception as error:  # report every failing case, not just the first
                 failures += 1
-                first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-                print(f"FAIL {what}: {first_line}", flush=True)
+                print(f"FAIL {what}: {_summary(error)}", flush=True)
     for kernel in {call[0]: None for call in kernel_calls(*QUICK_SHAPES[0], "float32", False, torch.int64)}:
         checked += 1
         errors = inductor_copy_errors(kernel)
@@ -438,8 +487,7 @@ def main() -> int:
             compile_shared_tile_for_hopper()
         except Exception as error:  # noqa: BLE001
             failures += 1
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            print(f"FAIL msda_shared_tile_kernel: {first_line}", flush=True)
+            print(f"FAIL msda_shared_tile_kernel: {_summary(error)}", flush=True)
     print(f"triton {triton.__version__}: {checked - failures} of {checked} kernels compiled for sm_90, "
           "torch.compile sees them write their outputs alone")
     return 1 if failures else 0

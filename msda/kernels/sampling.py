@@ -15,12 +15,19 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.libdevice import mul_rn  # by name: torch.compile's copy of the kernels imports it
 
-# Whether float64 placement rounds its product with libdevice's mul_rn (PTX mul.rn.f64, which
-# neither LLVM nor ptxas fuses into an fma): on NVIDIA. Triton's interpreter has no libdevice
-# (numpy never fuses) and ROCm's has no mul_rn (there the `+ 0.0` below is all that stands).
-ROUNDED_PRODUCT = tl.constexpr(torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1")
+if torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1":
+    # libdevice's mul_rn (PTX mul.rn.f64), which neither LLVM nor ptxas fuses into an fma.
+    # Imported by name: torch.compile's copy of the kernels then imports it too.
+    from triton.language.extra.libdevice import mul_rn as rounded_product
+else:
+    # Triton's interpreter has no libdevice (and numpy never fuses). ROCm's has no mul_rn, and
+    # Triton resolves every libdevice name a kernel's module holds, called or not, so there the
+    # import above would fail every compile; this `+ 0.0` is all that stands (unchecked on ROCm).
+
+    @triton.jit
+    def rounded_product(x, y):
+        return x * y + 0.0
 
 
 @triton.jit
@@ -45,11 +52,7 @@ def pixel_cell(x, size, COMPUTE: tl.constexpr):
         # fma(x, size, -0.5), the product's rounding is lost, and a sample whose product rounds
         # onto a cell border (x = 1/6 of 3 pixels) lands in the cell before it: the location
         # gradient of the other side. Triton 3.8's LLVM fuses even `x * size + 0.0 - 0.5` so.
-        if ROUNDED_PRODUCT:
-            product = mul_rn(x, size)
-        else:
-            product = x * size + 0.0
-        x_im = product - 0.5
+        x_im = rounded_product(x, size) - 0.5
         cell = tl.floor(x_im)
         frac = x_im - cell
     else:
