@@ -289,14 +289,14 @@ def signature(kernel, args: tuple, constexprs: dict) -> dict:
     return {**types, **{name: "constexpr" for name in constexprs if name not in LAUNCH_OPTIONS}}
 
 
-def compile_for_hopper(
+def compile_for(
     kernel, args: tuple, constexprs: dict, timed: bool = False, constant_ints: bool = False, source_type=ASTSource,
     target: GPUTarget = HOPPER,
 ) -> float:
-    """Compile for sm_90 as a launch with these arguments would (16-byte-aligned pointers), or
-    with `constant_ints` as torch.compile's code would with static shapes (every integer
-    argument a constexpr); returns the seconds it took. source_type: GluonASTSource for a Gluon
-    kernel; target: CDNA3 for ROCm's compile (no PTX to check)."""
+    """Compile for `target` (sm_90; CDNA3 for ROCm's compile, with no PTX to check) as a launch
+    with these arguments would (16-byte-aligned pointers), or with `constant_ints` as
+    torch.compile's code would with static shapes (every integer argument a constexpr); returns
+    the seconds it took. source_type: GluonASTSource for a Gluon kernel."""
     if constant_ints:
         ints = {name: a for name, a in zip(kernel.arg_names, args) if isinstance(a, int)}
         constexprs = {**constexprs, **ints}
@@ -366,19 +366,26 @@ def compile_for_rocm() -> int:
             kernels[kernel] = None
             checked += 1
             try:
-                compile_for_hopper(kernel, args, {k: v for k, v in constexprs.items() if k != "maxnreg"}, target=CDNA3)
+                compile_for(kernel, args, constexprs, target=CDNA3)
             except Exception as error:  # report every failing case, not just the first
                 failures += 1
                 print(f"FAIL {kernel.__name__} {dtype} for {CDNA3.arch}: {_summary(error)}", flush=True)
+    failures += inductor_copy_failures(kernels)
+    checked += len(kernels)
+    print(f"triton {triton.__version__}: {checked - failures} of {checked} kernels compiled for {CDNA3.arch} "
+          "and torch.compile's copies, as a ROCm build of torch launches them")
+    return 1 if failures else 0
+
+
+def inductor_copy_failures(kernels) -> int:
+    """How many of `kernels` have a torch.compile copy that names what it does not define (each printed)."""
+    failures = 0
     for kernel in kernels:
-        checked += 1
         errors = inductor_copy_errors(kernel)
         if errors:
             failures += 1
             print(f"FAIL torch.compile's copy of {kernel.__name__}: {errors[0]}", flush=True)
-    print(f"triton {triton.__version__}: {checked - failures} of {checked} kernels compiled for {CDNA3.arch} "
-          "and torch.compile's copies, as a ROCm build of torch launches them")
-    return 1 if failures else 0
+    return failures
 
 
 def inductor_copy_errors(kernel) -> list[str]:
@@ -416,7 +423,7 @@ def compile_shared_tile_for_hopper() -> None:
     loc, attn = torch.zeros(1, 3, 8, 4, 4, 2), torch.zeros(1, 3, 8, 4, 4)
     shapes, starts = torch.ones(4, 2, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
     _, args, constexprs = launch.shared_tile_call(torch.zeros(1, 3, 256), value, shapes, starts, loc, attn, value)
-    compile_for_hopper(launch.msda_shared_tile_kernel, args, constexprs, source_type=GluonASTSource)
+    compile_for(launch.msda_shared_tile_kernel, args, constexprs, source_type=GluonASTSource)
 
 
 def main() -> int:
@@ -459,7 +466,7 @@ def main() -> int:
                     f" softmax={softmax}")
             checked += 1
             try:
-                seconds = compile_for_hopper(kernel, args, constexprs, timed=is_timed)
+                seconds = compile_for(kernel, args, constexprs, timed=is_timed)
                 if is_timed:
                     print(f"compile time {what}: {seconds:.1f} s", flush=True)
                     if seconds > COMPILE_SECONDS:
@@ -471,16 +478,13 @@ def main() -> int:
                 if constant_ints:
                     what += " integer arguments as constants"
                     checked += 1
-                    compile_for_hopper(kernel, args, constexprs, constant_ints=True)
+                    compile_for(kernel, args, constexprs, constant_ints=True)
             except Exception as error:  # report every failing case, not just the first
                 failures += 1
                 print(f"FAIL {what}: {_summary(error)}", flush=True)
-    for kernel in {call[0]: None for call in kernel_calls(*QUICK_SHAPES[0], "float32", False, torch.int64)}:
-        checked += 1
-        errors = inductor_copy_errors(kernel)
-        if errors:
-            failures += 1
-            print(f"FAIL torch.compile's copy of {kernel.__name__}: {errors[0]}", flush=True)
+    kernels = {call[0]: None for call in kernel_calls(*QUICK_SHAPES[0], "float32", False, torch.int64)}
+    failures += inductor_copy_failures(kernels)
+    checked += len(kernels)
     if launch.msda_shared_tile_kernel is not None:  # Gluon: compiled once, at the preset's constants
         checked += 1
         try:

@@ -23,7 +23,8 @@ if torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1":
 else:
     # Triton's interpreter has no libdevice (and numpy never fuses). ROCm's has no mul_rn, and
     # Triton resolves every libdevice name a kernel's module holds, called or not, so there the
-    # import above would fail every compile; this `+ 0.0` is all that stands (unchecked on ROCm).
+    # import above would fail every compile. Compiled for gfx942, triton 3.8 fuses this product
+    # anyway (3.6 keeps it; docs/correctness.md); never run on an AMD GPU.
 
     @triton.jit
     def rounded_product(x, y):
