@@ -33,7 +33,14 @@ It also checks:
 - integer arguments as constants: torch.compile's generated code passes a kernel's integer
   arguments whose values it knows (static shapes) as constexprs, so in the kernel they are
   Python ints, not tensors (`n.to(...)` then fails to compile: bench/NOTES.md entry 38 lost a
-  device call to it). At the preset every kernel compiles that way too.
+  device call to it). At the preset every kernel compiles that way too;
+- float64 placement: the product x * size rounded before the pixel centre's 0.5 comes off, as
+  the float64 reference does (`float64_placement_errors`; triton 3.8 fused it: entry 106);
+- torch.compile's copies of the kernels' sources: every name they use defined in the copy
+  (`inductor_copy_errors`);
+- the shared tile (Gluon, where the installed release takes it): its one allocation all the
+  shared memory the compiled kernel has, since its inline PTX addresses the tile from
+  `global_smem` (`shared_tile_allocation_errors`).
 
 With --rocm: the preset's kernels, every dtype, for an AMD GPU (gfx942, CDNA3) as a ROCm build
 of torch would launch them (msda picks some kernel forms at import from `torch.version.hip`,
@@ -296,7 +303,7 @@ def compile_for(
     """Compile for `target` (sm_90; CDNA3 for ROCm's compile, with no PTX to check) as a launch
     with these arguments would (16-byte-aligned pointers), or with `constant_ints` as
     torch.compile's code would with static shapes (every integer argument a constexpr); returns
-    the seconds it took. source_type: GluonASTSource for a Gluon kernel."""
+    (the seconds it took, the compiled kernel). source_type: GluonASTSource for a Gluon kernel."""
     if constant_ints:
         ints = {name: a for name, a in zip(kernel.arg_names, args) if isinstance(a, int)}
         constexprs = {**constexprs, **ints}
@@ -315,7 +322,7 @@ def compile_for(
         compiled = triton.compile(source, target=target, options=options)
     seconds = time.perf_counter() - start
     if target is not HOPPER:
-        return seconds
+        return seconds, compiled
     errors = float64_placement_errors(compiled.asm["ptx"])
     if errors:
         raise AssertionError(f"float64 placement rounded unlike the reference ({len(errors)}): {errors[0]}")
@@ -327,7 +334,7 @@ def compile_for(
         errors = lane_placement_layout_errors(compiled.asm["ttgir"], compiled.asm["ptx"])
         if errors:
             raise AssertionError(f"the lane placement laid out slowly ({len(errors)}): {errors[0]}")
-    return seconds
+    return seconds, compiled
 
 
 def written_arguments(kernel, args: tuple, constexprs: dict) -> list[str]:
@@ -423,7 +430,21 @@ def compile_shared_tile_for_hopper() -> None:
     loc, attn = torch.zeros(1, 3, 8, 4, 4, 2), torch.zeros(1, 3, 8, 4, 4)
     shapes, starts = torch.ones(4, 2, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
     _, args, constexprs = launch.shared_tile_call(torch.zeros(1, 3, 256), value, shapes, starts, loc, attn, value)
-    compile_for(launch.msda_shared_tile_kernel, args, constexprs, source_type=GluonASTSource)
+    compiled = compile_for(launch.msda_shared_tile_kernel, args, constexprs, source_type=GluonASTSource)[1]
+    errors = shared_tile_allocation_errors(compiled.metadata.shared, constexprs)
+    if errors:
+        raise AssertionError(errors[0])
+
+
+def shared_tile_allocation_errors(shared_bytes: int, constexprs: dict) -> list[str]:
+    """The shared tile reads and writes its rows through inline PTX at `global_smem` + row *
+    ROW_BYTES, which is right only while its one allocation is all the shared memory the compiled
+    kernel has: a release that added a buffer of its own (a layout conversion's scratch) could
+    place it, or the tile, elsewhere, and the PTX would read the wrong bytes."""
+    expected = constexprs["ROWS"] * constexprs["HEAD_DIM"] * 4
+    if shared_bytes != expected:
+        return [f"the shared tile's kernel has {shared_bytes} bytes of shared memory, its tile {expected}"]
+    return []
 
 
 def main() -> int:
@@ -466,7 +487,7 @@ def main() -> int:
                     f" softmax={softmax}")
             checked += 1
             try:
-                seconds = compile_for(kernel, args, constexprs, timed=is_timed)
+                seconds = compile_for(kernel, args, constexprs, timed=is_timed)[0]
                 if is_timed:
                     print(f"compile time {what}: {seconds:.1f} s", flush=True)
                     if seconds > COMPILE_SECONDS:

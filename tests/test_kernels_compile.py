@@ -62,6 +62,19 @@ def test_float64_placement_check_reads_fused_products(monkeypatch):
     assert errors(rounded + fused) == [f"a product fused with -0.5: {fused.splitlines()[0].strip()}"]
 
 
+def test_shared_tile_check_reads_the_kernels_shared_memory(monkeypatch):
+    """compile_check's `shared_tile_allocation_errors` passes a shared tile kernel whose shared
+    memory is its tile alone (ROWS rows of HEAD_DIM float32s, which its inline PTX addresses
+    from `global_smem`) and names one with any more or less."""
+    errors = _compile_check(monkeypatch).shared_tile_allocation_errors
+    constexprs = {"ROWS": launch.SHARED_TILE_PIXELS + 36, "HEAD_DIM": 32}
+    tile = (launch.SHARED_TILE_PIXELS + 36) * 32 * 4
+    assert errors(tile, constexprs) == []
+    named = f"the shared tile's kernel has {tile + 512} bytes of shared memory, its tile {tile}"
+    assert errors(tile + 512, constexprs) == [named]
+    assert len(errors(tile - 128, constexprs)) == 1
+
+
 def test_a_whole_row_per_load_instruction():
     """The default tiles read each gathered value row with one 16-byte load per thread, a whole
     row per warp instruction (the L1 serves a row in one wavefront; bench/NOTES.md entry 13)."""
