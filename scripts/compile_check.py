@@ -299,7 +299,7 @@ def signature(kernel, args: tuple, constexprs: dict) -> dict:
 def compile_for(
     kernel, args: tuple, constexprs: dict, timed: bool = False, constant_ints: bool = False, source_type=ASTSource,
     target: GPUTarget = HOPPER,
-) -> float:
+) -> tuple[float, object]:
     """Compile for `target` (sm_90; CDNA3 for ROCm's compile, with no PTX to check) as a launch
     with these arguments would (16-byte-aligned pointers), or with `constant_ints` as
     torch.compile's code would with static shapes (every integer argument a constexpr); returns
