@@ -13,6 +13,7 @@ set -euo pipefail
 version=${1:?triton version, e.g. 3.8.0}
 dest=${2:?folder for the tarball, ignored by git (.git/info/exclude)}
 work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT  # also when a step fails
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 -d "$work/wheel" "triton==$version"
 # unzip, not pip install --target: this machine's Python need not be the device's (3.12)
@@ -23,4 +24,3 @@ mkdir -p "$dest"
   --exclude='triton/backends/nvidia/bin/ptxas-blackwell' --exclude='triton/_C/libproton.so' \
   --exclude=__pycache__ triton "triton-$version.dist-info") | xz -9 -T0 >"$dest/triton.tar.xz"
 ls -l "$dest/triton.tar.xz"
-rm -rf "$work"
