@@ -38,7 +38,7 @@ try:
 
     HAS_TRITON = True
     if os.environ.get("TRITON_INTERPRET") == "1":
-        from .kernels import interpreter  # noqa: F401  (fma rounded once, as on a GPU)
+        from .kernels import interpreter  # noqa: F401  (fma and bfloat16 conversions as on a GPU)
 except ImportError:  # the pure-PyTorch path still works everywhere
     HAS_TRITON = False
 

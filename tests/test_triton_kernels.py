@@ -54,9 +54,12 @@ def test_forward_and_backward(dtype):
     check(make_inputs(SHAPE, dtype, DEVICE, outside_fraction=0.25, seed=21))
 
 
+@pytest.mark.parametrize("loc_dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_mixed_precision(dtype):
-    check(make_inputs(SHAPE, dtype, DEVICE, loc_dtype=torch.float32, seed=22))
+def test_mixed_precision(dtype, loc_dtype):
+    """Half-precision values, float32 or float64 locations and weights: with float64 the kernels
+    compute in float64 and store the output through a float64 -> half conversion."""
+    check(make_inputs(SHAPE, dtype, DEVICE, loc_dtype=loc_dtype, seed=22))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
