@@ -328,6 +328,11 @@ def backward(
         return eager_cpu.backward(
             grad_output, value, spatial_shapes, starts, sampling_locations, attention_weights, softmax
         )
+    if not torch.compiler.is_compiling():  # (traced, they are tensors; a traced backward may not read .layout)
+        validation.check_operator_args(
+            validation.weights_name(softmax), grad_output=grad_output, value=value, spatial_shapes=spatial_shapes,
+            level_start_index=starts, sampling_locations=sampling_locations, attention=attention_weights,
+        )  # fmt: skip
     op = torch.ops.msda.backward_softmax if softmax else torch.ops.msda.backward
     return op(grad_output, value, spatial_shapes, starts, sampling_locations, attention_weights)
 
@@ -380,5 +385,10 @@ def forward(value, spatial_shapes, level_start_index, sampling_locations, attent
     starts = _starts(spatial_shapes, level_start_index)
     if eager_cpu.eligible(value, spatial_shapes, starts, sampling_locations, attention_weights):
         return eager_cpu.forward(value, spatial_shapes, starts, sampling_locations, attention_weights, softmax)
+    if not torch.compiler.is_compiling():
+        validation.check_operator_args(
+            validation.weights_name(softmax), value=value, spatial_shapes=spatial_shapes, level_start_index=starts,
+            sampling_locations=sampling_locations, attention=attention_weights,
+        )  # fmt: skip
     op = torch.ops.msda.forward_softmax if softmax else torch.ops.msda.forward
     return op(value, spatial_shapes, starts, sampling_locations, attention_weights)

@@ -88,17 +88,14 @@ def _call(value, spatial_shapes, level_start_index, sampling_locations, attentio
     if eager_cpu.eligible(value, spatial_shapes, level_start_index, sampling_locations, attention):
         # Eager CPU call: the CPU path without the operator's dispatch cost (msda/eager_cpu.py).
         return eager_cpu.forward(value, spatial_shapes, level_start_index, sampling_locations, attention, softmax)
-    # The dispatcher rejects a non-tensor (a list, a nested tensor) with its own RuntimeError or
-    # NotImplementedError before the operator's checks run: catch those here as TypeErrors.
-    args = dict(
+    validation.check_operator_args(
+        validation.weights_name(softmax),
         value=value,
         spatial_shapes=spatial_shapes,
         level_start_index=level_start_index,
         sampling_locations=sampling_locations,
-        **{validation.weights_name(softmax): attention},
+        attention=attention,
     )
-    for name, arg in args.items():
-        check_tensor(name, arg)
     # Under torch.compile with msda.validate() on: the data checks as an operator of the graph
     # (docs/correctness.md says why here and not in the operator's body).
     level_start_index = validation.check_level_data_when_validating(value, spatial_shapes, level_start_index)

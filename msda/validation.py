@@ -70,6 +70,16 @@ def check_tensor(name: str, t: object) -> Tensor:
     return t
 
 
+def check_operator_args(weights_name: str, **named: object) -> None:
+    """`check_tensor` for each argument by name (`attention` under `weights_name`: the attention
+    weights, or the softmax form's logits), before a call of torch.ops.msda.*: their dispatcher
+    rejects a non-tensor (a list, a nested tensor) with its own RuntimeError or
+    NotImplementedError before the operator's checks run, where the compiled extensions that the
+    drop-ins replace raised a TypeError."""
+    for name, t in named.items():
+        check_tensor(weights_name if name == "attention" else name, t)
+
+
 def _expect_size(name: str, t: Tensor, dim: int, expected: int, what: str, source: str) -> None:
     if t.shape[dim] != expected:
         raise ValueError(

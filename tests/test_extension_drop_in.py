@@ -13,6 +13,7 @@ import torch._dynamo.testing
 import csrc_free_ops
 from msda import eager, eager_cpu, ops
 from msda.testing import Shape, make_inputs
+from msda.testing_cases import BAD_CALLS, FORWARD_ARGS, valid_args
 
 from .helpers import assert_matches_reference, forward_backward, operator_bodies, random_like_output
 
@@ -145,6 +146,29 @@ def test_backward_returns_a_list_of_three_gradients(monkeypatch):
     assert isinstance(grads, list) and len(grads) == 3
     for grad, like in zip(grads, (inputs.value, inputs.sampling_locations, inputs.attention_weights)):
         assert grad.shape == like.shape and grad.dtype == like.dtype
+
+
+@pytest.mark.parametrize(
+    "case,backward",
+    [
+        pytest.param(case, backward, id=f"{'backward' if backward else 'forward'}-{case.id}")
+        for case in BAD_CALLS
+        if case.dispatcher_rejects
+        for backward in (False, True)
+        if backward or "forward" in case.entries  # (grad_output: the backward's alone)
+    ],
+)
+def test_non_tensor_arguments_raise_a_type_error_naming_them(case, backward):
+    """A list, an array, a scalar or a nested tensor where the extension takes a tensor: a
+    TypeError naming the argument (pybind's error type in the compiled extension), not the
+    dispatcher's RuntimeError from torch.ops.msda.* further down."""
+    args = case.edit(valid_args())
+    forward_args = [args[name] for name in FORWARD_ARGS]
+    with pytest.raises(TypeError, match=case.argument):
+        if backward:
+            csrc_free_ops.extension.ms_deform_attn_backward(*forward_args, args["grad_output"], 64)
+        else:
+            csrc_free_ops.extension.ms_deform_attn_forward(*forward_args, 64)
 
 
 def test_install_replaces_a_compiled_extension(monkeypatch):
