@@ -212,12 +212,6 @@ def _masked_backward(
 # forwards up to 29% (one cell 9% slower, won back by equal chunks: `_chunks`), the most where
 # waking a thread is dear (bench/NOTES.md entry 81).
 CORNERS_PER_CHUNK = 2**18
-# The backward's corner dot products gather about this many corner rows at a time (the corners of
-# whole bags: query and head): 512 bags of 64 corners (Deformable DETR's L * K = 16) against 256,
-# even with 1 thread, 2-6% faster with 2, 9-12% under OMP_WAIT_POLICY=PASSIVE (entry 82); counted
-# in rows, not bags, since entry 93: at L * K = 4 a gather of 512 bags was a quarter as large, and
-# 2,048 bags took 8-14% off the backward.
-CORNER_ROWS_PER_GATHER = 2**15
 # grad_value is summed by each sample's top-left cell (a sort of a quarter of the keys, then four
 # grad_value-sized sums, one a corner) where the corners are at least this many times the cells
 # of the padded grids (`Levels`), and by each corner's row (a sort of every corner, one sum) where
@@ -469,19 +463,17 @@ def _cpu_forward(value, spatial_shapes, level_start_index, sampling_locations, a
 
 
 def _corner_dots(rows_of_value: Tensor, rows: Tensor, grad: Tensor) -> Tensor:
-    """(corners, bags, per_bag): <grad[bag], rows_of_value[rows[corner, bag, j]]>, the bags of about
-    CORNER_ROWS_PER_GATHER rows at a time, so that the gathered rows stay in cache. The gather is
-    F.embedding_bag with bags of one row: FBGEMM's kernel prefetches, and gathers a quarter faster
-    than index_select."""
-    corners, bags, per_bag = rows.shape
-    dots = torch.empty(rows.shape, dtype=grad.dtype)
-    step = max(1, CORNER_ROWS_PER_GATHER // (corners * per_bag))
-    for first in range(0, bags, step):
-        last = min(bags, first + step)
-        picked = F.embedding_bag(rows[:, first:last].reshape(-1, 1), rows_of_value, mode="sum")
-        picked = picked.view(corners, last - first, per_bag, -1).mul_(grad[first:last].unsqueeze(1))
-        torch.sum(picked, -1, out=dots[:, first:last])
-    return dots
+    """(corners, bags, per_bag): <grad[bag], rows_of_value[rows[corner, bag, j]]>, which is the
+    gradient of F.embedding_bag's per_sample_weights: ATen's kernel for it takes each dot straight
+    from the two rows, in one parallel pass. Gathering the rows first (FBGEMM's gather), then
+    multiplying and summing them, was three passes over a copy: 5-25% slower backwards with 2
+    threads, 9-17% with 1 at 400x667, but 6-15% faster with 1 at 800x1333, where the gather's
+    prefetches hide misses the dots wait on (bench/NOTES.md entry 110)."""
+    bag_of_corner = torch.arange(rows.shape[1], dtype=rows.dtype).view(1, -1, 1).expand(rows.shape).reshape(-1)
+    dots = torch.ops.aten._embedding_bag_per_sample_weights_backward(
+        grad, rows_of_value, rows.reshape(-1), bag_of_corner[:0], bag_of_corner, 0  # (offsets unused; mode 0: sum)
+    )
+    return dots.view(rows.shape)
 
 
 def _cpu_backward(

@@ -30,25 +30,15 @@ def torch_backend(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype,loc_dtype", DTYPE_CASES, ids=lambda d: str(d).removeprefix("torch."))
-@pytest.mark.parametrize(
-    "corners_per_chunk, bags_per_gather",
-    [(1, 1), (150, 3), (torch_impl.CORNERS_PER_CHUNK, 5), (torch_impl.CORNERS_PER_CHUNK, None)],
-    ids=lambda n: str(n),
-)
+@pytest.mark.parametrize("corners_per_chunk", [1, 150, torch_impl.CORNERS_PER_CHUNK])
 @pytest.mark.parametrize("grad_value_by", ["rows", "cells"])
-def test_cpu_kernels_match_reference_across_chunks(
-    dtype, loc_dtype, corners_per_chunk, bags_per_gather, grad_value_by, monkeypatch
-):
+def test_cpu_kernels_match_reference_across_chunks(dtype, loc_dtype, corners_per_chunk, grad_value_by, monkeypatch):
     """Chunks of one query row, of a few (straddling batch entries: 13 queries a batch entry,
-    150 // (2 * 4 * 9) = 2 query rows a chunk), and the default (all at once); the backward's
-    dot products gathered a bag at a time, a few (3: 4 bags a chunk of 2 query rows; 5 of the
-    78), and at the default (None: all at once here); grad_value summed by each corner's row and
-    by each sample's top-left cell, whatever the shape's density would pick."""
+    150 // (2 * 4 * 9) = 2 query rows a chunk), and the default (all at once); grad_value summed
+    by each corner's row and by each sample's top-left cell, whatever the shape's density would
+    pick."""
     monkeypatch.setattr(torch_impl, "CORNERS_PER_CHUNK", corners_per_chunk)
     monkeypatch.setattr(torch_impl, "CELL_SUMS_MIN_CORNERS_PER_CELL", 0 if grad_value_by == "cells" else 2**62)
-    if bags_per_gather is not None:  # a bag is a query and head's 4 * L * K corner rows
-        corner_rows_per_bag = 4 * len(SHAPE.levels) * SHAPE.points
-        monkeypatch.setattr(torch_impl, "CORNER_ROWS_PER_GATHER", bags_per_gather * corner_rows_per_bag)
     inputs = make_inputs(SHAPE, dtype, loc_dtype=loc_dtype, outside_fraction=0.2, seed=21)
     grad_output = random_like_output(inputs)
     with (
