@@ -469,10 +469,11 @@ def _corner_dots(rows_of_value: Tensor, rows: Tensor, grad: Tensor) -> Tensor:
     multiplying and summing them, was three passes over a copy: 5-25% slower backwards with 2
     threads, 9-17% with 1 at 400x667, but 6-15% faster with 1 at 800x1333, where the gather's
     prefetches hide misses the dots wait on (bench/NOTES.md entry 110)."""
-    bag_of_corner = torch.arange(rows.shape[1], dtype=rows.dtype).view(1, -1, 1).expand(rows.shape).reshape(-1)
+    # (Its indices must be contiguous: an expanded arange of one bag reshapes to a stride-0 view.)
+    bag_of_corner = torch.arange(rows.shape[1], dtype=rows.dtype).view(1, -1, 1).expand(rows.shape).contiguous()
     dots = torch.ops.aten._embedding_bag_per_sample_weights_backward(
-        grad, rows_of_value, rows.reshape(-1), bag_of_corner[:0], bag_of_corner, 0  # (offsets unused; mode 0: sum)
-    )
+        grad, rows_of_value, rows.contiguous().view(-1), bag_of_corner[:0, 0, 0], bag_of_corner.view(-1), 0
+    )  # (offsets unused where offset2bag is given; mode 0: sum)
     return dots.view(rows.shape)
 
 

@@ -64,6 +64,16 @@ def test_generic_path_matches_reference_on_cpu(dist, monkeypatch):
     assert_matches_reference(inputs, results, grad_output)
 
 
+def test_chunks_of_one_bag(monkeypatch):
+    """One head, a query row a chunk: each chunk's corners belong to one bag, whose expanded index
+    of bags reshapes to a stride-0 view that ATen's dot kernel refuses (it needs it contiguous)."""
+    monkeypatch.setattr(torch_impl, "CORNERS_PER_CHUNK", 1)
+    shape = Shape(batch=2, queries=3, heads=1, head_dim=4, levels=((5, 4), (2, 3)), points=2)
+    inputs = make_inputs(shape, torch.float32, outside_fraction=0.2, seed=27)
+    grad_output = random_like_output(inputs)
+    assert_matches_reference(inputs, forward_backward(inputs, grad_output), grad_output)
+
+
 def test_cpu_kernels_are_bitwise_reproducible_across_runs_and_thread_counts():
     """No atomics and a stable sort: the same bits every run, with 1 thread or 2 (the forward
     sums each bag in order, the grad_value scatter each row's corners in their sorted order).
