@@ -466,9 +466,10 @@ def _corner_dots(rows_of_value: Tensor, rows: Tensor, grad: Tensor) -> Tensor:
     """(corners, bags, per_bag): <grad[bag], rows_of_value[rows[corner, bag, j]]>, which is the
     gradient of F.embedding_bag's per_sample_weights: ATen's kernel for it takes each dot straight
     from the two rows, in one parallel pass. Gathering the rows first (FBGEMM's gather), then
-    multiplying and summing them, was three passes over a copy: 5-25% slower backwards with 2
-    threads, 9-17% with 1 at 400x667, but 6-15% faster with 1 at 800x1333, where the gather's
-    prefetches hide misses the dots wait on (bench/NOTES.md entry 110)."""
+    multiplying and summing them, was three passes over a copy: backwards up to 22% slower with 2
+    threads (even at the 800x1333 decoder's batch 2), 3-17% with 1 at 400x667, but 6-15% faster
+    with 1 at 800x1333, where the gather's prefetches hide misses the dots wait on (bench/NOTES.md
+    entry 110)."""
     # (Its indices must be contiguous: an expanded arange of one bag reshapes to a stride-0 view.)
     bag_of_corner = torch.arange(rows.shape[1], dtype=rows.dtype).view(1, -1, 1).expand(rows.shape).contiguous()
     dots = torch.ops.aten._embedding_bag_per_sample_weights_backward(
